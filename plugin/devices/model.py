@@ -1,0 +1,99 @@
+"""What the plugin knows about GPUs: discovered devices, polled readings and driver events.
+
+Every backend produces these same immutable values, so the health policy never knows where they came from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+RECOVERY_ACTIONS = ("none", "gpu_reset", "node_reboot", "drain_p2p", "drain_and_reset")
+CLOCK_EVENT_REASONS = ("hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown")
+FABRIC_HEALTH = ("healthy", "unhealthy", "limited_capacity")
+
+
+@dataclass(frozen=True)
+class MigDevice:
+    """A MIG slice of a parent GPU; its health follows the parent plus events scoped to its GPU instance."""
+
+    uuid: str
+    parent_uuid: str
+    gpu_instance_id: int
+    compute_instance_id: int
+    profile: str  # e.g. "1g.10gb"
+    memory_mib: int = 0
+
+
+@dataclass(frozen=True)
+class Gpu:
+    uuid: str
+    index: int
+    name: str = "NVIDIA GPU"
+    minor: int | None = None  # /dev/nvidia<minor>; the simulated node uses the index
+    numa_node: int | None = None
+    memory_mib: int = 0
+    pci_bus_id: str = ""
+    nvlink_peers: tuple[int, ...] = ()
+    pcie_switch: str | None = None
+    mig_devices: tuple[MigDevice, ...] = ()
+
+    @property
+    def dev_minor(self) -> int:
+        return self.index if self.minor is None else self.minor
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One poll of one GPU. ``None`` means the signal does not exist on this GPU (NVML NotSupported)."""
+
+    time: float
+    ecc_uncorrected_volatile: int | None = None
+    ecc_corrected_volatile: int | None = None
+    ecc_uncorrected_aggregate: int | None = None
+    ecc_corrected_aggregate: int | None = None
+    row_remap_pending: bool | None = None
+    row_remap_failure: bool | None = None
+    retired_pages_pending: bool | None = None
+    retired_pages_count: int | None = None
+    temperature_c: int | None = None
+    temperature_slowdown_c: int | None = None
+    temperature_shutdown_c: int | None = None
+    clock_event_reasons: frozenset[str] | None = None
+    gpu_idle: bool = False
+    pcie_gen: int | None = None
+    pcie_width: int | None = None
+    pcie_max_gen: int | None = None
+    pcie_max_width: int | None = None
+    pcie_replay_count: int | None = None
+    nvlink_down: tuple[int, ...] | None = None
+    nvlink_error_count: int | None = None  # replay + recovery counters summed over links
+    nvlink_crc_count: int | None = None
+    recovery_action: str | None = None
+    fabric_health: str | None = None
+    lost: bool = False
+    reset_required: bool = False
+    # Signals whose read failed with an NVML error other than NotSupported: (signal, message).
+    errors: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class GpuEvent:
+    """A driver event. ``kind``: xid, ecc-dbe, gpu-unavailable, recovery-action (``code`` carries the XID)."""
+
+    uuid: str
+    kind: str
+    code: int
+    time: float
+    gpu_instance_id: int | None = None  # None: the whole GPU
+    compute_instance_id: int | None = None
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Discovery:
+    """A consistent snapshot of the devices a backend sees; ``error`` set when discovery itself failed."""
+
+    gpus: tuple[Gpu, ...] = ()
+    driver_version: str = ""
+    error: str | None = None
+    extras: dict[str, str] = field(default_factory=dict)

@@ -1,0 +1,228 @@
+"""The health engine at run time: feeds backend readings and events through per-device trackers into the node state.
+
+Two worker threads: one waits on driver events with a short timeout, one polls every ``poll_interval`` seconds (or
+at once when an event or a node-file change asks for it). Both only touch trackers under one lock and publish to the
+node state; neither blocks the other for longer than a verdict takes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from plugin.devices.backend import Backend
+from plugin.devices.model import Gpu, GpuEvent, Reading
+from plugin.health.policy import HealthConfig
+from plugin.health.state import DeviceStatus, NodeState, Persister, StateStore, Transition
+from plugin.health.states import Reason, State
+from plugin.health.tracker import DeviceTracker
+
+log = logging.getLogger(__name__)
+
+
+class Monitor:
+    def __init__(self, backend: Backend, state: NodeState, cfg: HealthConfig, poll_interval_s: float,
+                 stop: threading.Event, store: StateStore | None = None,
+                 clock: Callable[[], float] = time.time, event_wait_s: float = 0.25) -> None:
+        self.backend = backend
+        self.state = state
+        self.cfg = cfg
+        self.poll_interval_s = poll_interval_s
+        self.stop = stop
+        self.clock = clock
+        self.event_wait_s = event_wait_s
+        self._lock = threading.Lock()
+        self._trackers: dict[str, DeviceTracker] = {}
+        self._mig_trackers: dict[str, DeviceTracker] = {}
+        self._gpus: dict[str, Gpu] = {}
+        self._saved: dict[str, Any] = {}
+        self._poll_now = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.store = store
+        self.persister: Persister | None = None
+        self.listeners: list[Callable[[list[Transition]], None]] = []
+        # Liveness: when each loop last went round; probes compare these with the clock.
+        self.last_poll_at = 0.0
+        self.last_event_loop_at = 0.0
+        self.poll_durations: list[float] = []
+        self.events_seen = 0
+        if store is not None:
+            saved = store.load()
+            self._saved = dict(saved.get("devices", {}))
+            state.restore_history(Transition.from_dict(t) for t in saved.get("transitions", []))
+            self.persister = Persister(store, self._collect, stop)
+
+    # Lifecycle ------------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Discover and poll once synchronously, so the first snapshot anyone sees is already true."""
+        self.poll_once()
+        self.backend.watch(self.request_poll)
+        if self.persister is not None:
+            self.persister.start()
+            self.persister.mark_dirty()
+        for target, name in ((self._event_loop, "nvml-events"), (self._poll_loop, "poller")):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def join(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        if self.persister is not None:
+            self.persister.join(max(0.0, deadline - time.monotonic()))
+            try:
+                self.persister.flush()
+            except OSError as exc:
+                log.error("final state write failed: %s", exc)
+
+    def request_poll(self) -> None:
+        self._poll_now.set()
+
+    # Loops ----------------------------------------------------------------------------------------------------
+
+    def _poll_loop(self) -> None:
+        next_at = time.monotonic() + self.poll_interval_s
+        while not self.stop.is_set():
+            self._poll_now.wait(timeout=max(0.0, next_at - time.monotonic()))
+            if self.stop.is_set():
+                return
+            self._poll_now.clear()
+            try:
+                self.poll_once()
+            except Exception:  # a bug in one cycle must not end health monitoring
+                log.exception("poll cycle failed")
+            next_at = time.monotonic() + self.poll_interval_s
+
+    def _event_loop(self) -> None:
+        while not self.stop.is_set():
+            self.last_event_loop_at = self.clock()
+            try:
+                events = self.backend.wait_events(self.event_wait_s)
+            except Exception as exc:  # the backend promises not to raise; be sure anyway
+                log.error("event wait failed: %s", exc)
+                self.stop.wait(1.0)
+                continue
+            if events:
+                self.handle_events(events)
+
+    # Work -----------------------------------------------------------------------------------------------------
+
+    def handle_events(self, events: Sequence[GpuEvent]) -> list[Transition]:
+        poll = False
+        with self._lock:
+            for e in events:
+                self.events_seen += 1
+                if e.gpu_instance_id is not None:
+                    tracker = self._mig_tracker_for(e.uuid, e.gpu_instance_id)
+                else:
+                    tracker = self._trackers.get(e.uuid)
+                if tracker is None:
+                    log.warning("event %s %s for unknown device %s ignored", e.kind, e.code, e.uuid)
+                    continue
+                log.info("device %s: %s %s", e.uuid, e.kind, e.code)
+                if tracker.observe_event(e) == "poll":
+                    poll = True
+            transitions = self._publish_locked(self.clock())
+        if poll:
+            self.request_poll()
+        if self.persister is not None:
+            self.persister.mark_dirty()
+        return transitions
+
+    def poll_once(self) -> list[Transition]:
+        started = time.perf_counter()
+        discovery = self.backend.discover()
+        readings: list[tuple[Gpu, Reading]] = [(g, self.backend.read(g)) for g in discovery.gpus]
+        with self._lock:
+            current = {g.uuid for g in discovery.gpus}
+            for uuid in list(self._trackers):
+                if uuid not in current:
+                    log.warning("device %s disappeared", uuid)
+                    del self._trackers[uuid]
+                    self._gpus.pop(uuid, None)
+                    for mig_id in [m for m, t in self._mig_trackers.items() if t.device_id.startswith(uuid + "/")]:
+                        del self._mig_trackers[mig_id]
+            dirty = False
+            for gpu, reading in readings:
+                tracker = self._trackers.get(gpu.uuid)
+                if tracker is None:
+                    tracker = self._new_tracker(gpu.uuid)
+                    dirty = True
+                self._gpus[gpu.uuid] = gpu
+                if tracker.observe_reading(reading):
+                    for t in self._mig_trackers.values():
+                        if t.device_id.startswith(gpu.uuid + "/"):
+                            t.clear_latches()
+                    dirty = True
+            now = self.clock()
+            transitions = self._publish_locked(now, discovery.error)
+        self.last_poll_at = now
+        elapsed = time.perf_counter() - started
+        self.poll_durations.append(elapsed)
+        if len(self.poll_durations) > 1000:
+            del self.poll_durations[:500]
+        if self.persister is not None and (dirty or transitions):
+            self.persister.mark_dirty()
+        return transitions
+
+    def _new_tracker(self, device_id: str) -> DeviceTracker:
+        tracker = DeviceTracker(device_id, self.cfg)
+        saved = self._saved.pop(device_id, None)
+        if saved:
+            tracker.load(saved)
+            log.info("device %s: restored %s with %d latched reasons from the state dir",
+                     device_id, tracker.state.value, len(saved.get("latched", [])))
+        if "/" in device_id:
+            self._mig_trackers[device_id] = tracker
+        else:
+            self._trackers[device_id] = tracker
+        return tracker
+
+    def _mig_tracker_for(self, uuid: str, gi: int) -> DeviceTracker | None:
+        gpu = self._gpus.get(uuid)
+        if gpu is None:
+            return None
+        for mig in gpu.mig_devices:
+            if mig.gpu_instance_id == gi:
+                key = f"{uuid}/{mig.uuid}"
+                return self._mig_trackers.get(key) or self._new_tracker(key)
+        return self._trackers.get(uuid)  # an instance we do not advertise: charge the whole GPU
+
+    def _publish_locked(self, now: float, error: str | None = None) -> list[Transition]:
+        statuses: list[DeviceStatus] = []
+        mapping = self.cfg.kubelet_health
+        for uuid, tracker in sorted(self._trackers.items(), key=lambda kv: self._gpus[kv[0]].index):
+            gpu = self._gpus[uuid]
+            state, reasons = tracker.verdict(now)
+            statuses.append(DeviceStatus(uuid, gpu, state, reasons, tracker.since or now, mapping[state]))
+            for mig in gpu.mig_devices:
+                own = self._mig_trackers.get(f"{uuid}/{mig.uuid}")
+                m_state, m_reasons, m_since = state, reasons, tracker.since or now
+                if own is not None:
+                    o_state, o_reasons = own.verdict(now)
+                    m_state = State.worst(state, o_state)
+                    m_reasons = tuple(sorted(o_reasons + reasons, key=lambda r: -r.severity.rank))
+                    m_since = max(m_since, own.since)
+                statuses.append(DeviceStatus(mig.uuid, gpu, m_state, m_reasons, m_since, mapping[m_state], mig))
+        transitions = self.state.publish(statuses, now, error)
+        for t in transitions:
+            log.info("transition #%d %s: %s -> %s %s", t.seq, t.id, t.from_state, t.to_state,
+                     ",".join(r.code for r in t.reasons) or "-")
+        for listener in self.listeners:
+            if transitions:
+                listener(transitions)
+        return transitions
+
+    def _collect(self) -> dict[str, Any]:
+        with self._lock:
+            devices = {k: t.to_dict() for k, t in {**self._trackers, **self._mig_trackers}.items()}
+        return {"devices": devices, "transitions": [t.to_dict() for t in self.state.history()[-256:]]}
+
+    def reasons_of(self, device_id: str) -> tuple[Reason, ...]:
+        snap = self.state.snapshot().get(device_id)
+        return snap.reasons if snap else ()

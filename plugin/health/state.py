@@ -1,0 +1,262 @@
+"""The node state: the one owner of what is true now about every device.
+
+Writers publish whole device lists; the node state diffs them, numbers every state change as a transition, keeps
+a bounded history for resuming watchers, and wakes subscribers. Readers get immutable snapshots and never hold the
+lock while they do I/O.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from plugin.devices.model import Gpu, MigDevice
+from plugin.health.states import Reason, State
+
+log = logging.getLogger(__name__)
+
+ABSENT = "Absent"  # the pseudo-state of a device before it appears and after it is gone
+
+
+@dataclass(frozen=True)
+class DeviceStatus:
+    id: str
+    gpu: Gpu  # the physical GPU (a MIG device's parent)
+    state: State
+    reasons: tuple[Reason, ...]
+    since: float
+    kubelet_health: str
+    mig: MigDevice | None = None
+
+    @property
+    def parent_id(self) -> str:
+        return self.gpu.uuid
+
+
+@dataclass(frozen=True)
+class Transition:
+    seq: int
+    id: str
+    from_state: str
+    to_state: str
+    reasons: tuple[Reason, ...]
+    time: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"seq": self.seq, "id": self.id, "from": self.from_state, "to": self.to_state,
+                "reasons": [r.to_dict() for r in self.reasons], "time": self.time}
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> Transition:
+        return Transition(seq=int(d["seq"]), id=str(d["id"]), from_state=str(d["from"]), to_state=str(d["to"]),
+                          reasons=tuple(Reason.from_dict(r) for r in d.get("reasons", [])), time=float(d["time"]))
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    version: int
+    seq: int
+    devices: tuple[DeviceStatus, ...]
+    backend_error: str | None = None
+    by_id: dict[str, DeviceStatus] = field(default_factory=dict, compare=False, repr=False)
+
+    def get(self, device_id: str) -> DeviceStatus | None:
+        return self.by_id.get(device_id)
+
+
+def _make_snapshot(version: int, seq: int, devices: Iterable[DeviceStatus], error: str | None) -> Snapshot:
+    devs = tuple(devices)
+    return Snapshot(version, seq, devs, error, {d.id: d for d in devs})
+
+
+class NodeState:
+    def __init__(self, history: int = 1024) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._history: deque[Transition] = deque(maxlen=history)
+        self._seq = 0
+        self._snapshot = _make_snapshot(0, 0, (), None)
+        self._closed = False
+
+    # Writers --------------------------------------------------------------------------------------------------
+
+    def publish(self, devices: Iterable[DeviceStatus], now: float,
+                backend_error: str | None = None) -> list[Transition]:
+        """Replace the device list. Bumps the version only when something a reader can see changed."""
+        devs = tuple(devices)
+        with self._cond:
+            old = self._snapshot
+            if devs == old.devices and backend_error == old.backend_error:
+                return []
+            new_ids = {d.id for d in devs}
+            transitions: list[Transition] = []
+            for d in devs:
+                before = old.by_id.get(d.id)
+                prev = before.state.value if before else ABSENT
+                if prev != d.state.value:
+                    self._seq += 1
+                    transitions.append(Transition(self._seq, d.id, prev, d.state.value, d.reasons, now))
+            for d in old.devices:
+                if d.id not in new_ids:
+                    self._seq += 1
+                    transitions.append(Transition(self._seq, d.id, d.state.value, ABSENT, (), now))
+            self._history.extend(transitions)
+            self._snapshot = _make_snapshot(old.version + 1, self._seq, devs, backend_error)
+            self._cond.notify_all()
+            return transitions
+
+    def restore_history(self, transitions: Iterable[Transition]) -> None:
+        """Seed the history from the state dir so sequence numbers keep growing across restarts."""
+        with self._cond:
+            for t in transitions:
+                self._history.append(t)
+                self._seq = max(self._seq, t.seq)
+            s = self._snapshot
+            self._snapshot = _make_snapshot(s.version, self._seq, s.devices, s.backend_error)
+
+    def close(self) -> None:
+        """Wake every waiter for good: streams end when the process stops."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    # Readers --------------------------------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def snapshot(self) -> Snapshot:
+        return self._snapshot  # replaced whole under the lock; reading a reference needs none
+
+    def wait_for_change(self, since_version: int, timeout: float | None,
+                        abort: Callable[[], bool] | None = None) -> Snapshot:
+        """Return a snapshot newer than ``since_version``, or the current one after ``timeout``, on close, or
+        once ``abort()`` is true (checked whenever someone calls ``poke``)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._snapshot.version != since_version or self._closed
+                                or (abort is not None and abort()), timeout)
+            return self._snapshot
+
+    def poke(self) -> None:
+        """Wake waiters so they re-check their abort condition (a stream's client left, a server stops)."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def transitions_since(self, seq: int) -> list[Transition] | None:
+        """Transitions after ``seq``; None when ``seq`` is older than the bounded history (resync needed)."""
+        with self._cond:
+            if seq >= self._seq:
+                return []
+            if not self._history or self._history[0].seq > seq + 1:
+                return None
+            return [t for t in self._history if t.seq > seq]
+
+    def history(self) -> list[Transition]:
+        with self._cond:
+            return list(self._history)
+
+
+class StateStore:
+    """Durable state in the state dir: one JSON file, written whole to a temp file, fsynced, then renamed, so a
+    crash mid-write leaves the previous version intact."""
+
+    FILE = "state.json"
+    VERSION = 1
+
+    def __init__(self, state_dir: Path) -> None:
+        self.dir = state_dir
+        self.path = state_dir / self.FILE
+
+    def load(self) -> dict[str, Any]:
+        try:
+            doc = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            # A corrupt file must not stop the plugin; keep it aside for a human and start from nothing.
+            aside = self.path.with_suffix(".corrupt")
+            log.error("state file %s unreadable (%s); moved to %s, starting without saved state",
+                      self.path, exc, aside.name)
+            try:
+                os.replace(self.path, aside)
+            except OSError:
+                pass
+            return {}
+        if not isinstance(doc, dict) or doc.get("version") != self.VERSION:
+            log.error("state file %s has an unknown version; ignoring it", self.path)
+            return {}
+        return doc
+
+    def save(self, doc: dict[str, Any]) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        data = json.dumps({**doc, "version": self.VERSION}, separators=(",", ":")).encode()
+        fd, tmp = tempfile.mkstemp(prefix=".state-", dir=self.dir)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        dfd = os.open(self.dir, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
+class Persister:
+    """Writes the durable state whenever it is marked dirty, coalescing bursts; a failed write is retried."""
+
+    def __init__(self, store: StateStore, collect: Callable[[], dict[str, Any]], stop: threading.Event,
+                 min_interval_s: float = 0.05) -> None:
+        self._store = store
+        self._collect = collect
+        self._stop = stop
+        self._dirty = threading.Event()
+        self._min_interval = min_interval_s
+        self.writes = 0
+        self.failures = 0
+        self._thread = threading.Thread(target=self._run, name="persister", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def mark_dirty(self) -> None:
+        self._dirty.set()
+
+    def flush(self) -> None:
+        self._store.save(self._collect())
+        self.writes += 1
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self._dirty.wait(timeout=0.5):
+                continue
+            self._dirty.clear()
+            try:
+                self.flush()
+            except OSError as exc:
+                self.failures += 1
+                log.error("cannot write state to %s: %s (will retry)", self._store.path, exc)
+                self._dirty.set()
+                self._stop.wait(1.0)
+                continue
+            self._stop.wait(self._min_interval)
+
+    def join(self, timeout: float) -> None:
+        if self._thread.is_alive():
+            self._thread.join(timeout)

@@ -1,0 +1,123 @@
+"""The DevicePlugin gRPC servicer: a plain synchronous class over the node state, so grpcio-testing can drive it."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+
+from api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from plugin.health.state import NodeState
+from plugin.kubelet.allocation import AllocationConfig, AllocationError, check_ids, container_response, preferred
+from plugin.kubelet.resources import KubeletDevice, Resource
+
+log = logging.getLogger(__name__)
+
+STREAM_RECHECK_S = 1.0  # waiters are poked on change and on stop; this only bounds a missed wake-up
+
+
+def to_response(view: tuple[KubeletDevice, ...]) -> api_pb2.ListAndWatchResponse:
+    resp = api_pb2.ListAndWatchResponse()
+    for d in view:
+        dev = resp.devices.add(ID=d.id, health=d.health)
+        if d.numa_node is not None:
+            dev.topology.nodes.add(ID=d.numa_node)
+    return resp
+
+
+class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
+    def __init__(self, state: NodeState, resource: Resource, alloc: AllocationConfig,
+                 options: api_pb2.DevicePluginOptions) -> None:
+        self.state = state
+        self.resource = resource
+        self.alloc = alloc
+        self.options = options
+        self.closed = threading.Event()
+        self._streams = 0
+        self._streams_lock = threading.Lock()
+        self.allocations = 0
+
+    @property
+    def open_streams(self) -> int:
+        return self._streams
+
+    def close(self) -> None:
+        """End every open stream of this servicer (the server is being replaced or the process stops)."""
+        self.closed.set()
+        self.state.poke()
+
+    def GetDevicePluginOptions(self, request: api_pb2.Empty,
+                               context: grpc.ServicerContext) -> api_pb2.DevicePluginOptions:
+        return self.options
+
+    def ListAndWatch(self, request: api_pb2.Empty,
+                     context: grpc.ServicerContext) -> Iterator[api_pb2.ListAndWatchResponse]:
+        left = threading.Event()
+
+        def on_done() -> None:
+            left.set()
+            self.state.poke()
+
+        context.add_callback(on_done)
+        with self._streams_lock:
+            self._streams += 1
+        try:
+            version = -1
+            last: tuple[KubeletDevice, ...] | None = None
+            while True:
+                snap = self.state.wait_for_change(version, STREAM_RECHECK_S,
+                                                  abort=lambda: left.is_set() or self.closed.is_set())
+                if left.is_set() or self.closed.is_set() or self.state.closed:
+                    return
+                version = snap.version
+                view = self.resource.devices(snap)
+                if view != last:
+                    last = view
+                    yield to_response(view)
+        finally:
+            with self._streams_lock:
+                self._streams -= 1
+
+    def Allocate(self, request: api_pb2.AllocateRequest, context: grpc.ServicerContext) -> api_pb2.AllocateResponse:
+        if not request.container_requests:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "container_requests is empty")
+        snap = self.state.snapshot()
+        resp = api_pb2.AllocateResponse()
+        try:
+            for i, creq in enumerate(request.container_requests):
+                statuses = check_ids(list(creq.devices_ids), lambda d: self.resource.backing(snap, d),
+                                     self.alloc.allow_unhealthy, f"container_requests[{i}].devices_ids")
+                resp.container_responses.append(container_response(statuses, self.alloc, Path.exists))
+        except AllocationError as exc:
+            log.warning("Allocate refused: %s", exc)
+            context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+        self.allocations += 1
+        return resp
+
+    def GetPreferredAllocation(self, request: api_pb2.PreferredAllocationRequest,
+                               context: grpc.ServicerContext) -> api_pb2.PreferredAllocationResponse:
+        snap = self.state.snapshot()
+        resp = api_pb2.PreferredAllocationResponse()
+        for i, creq in enumerate(request.container_requests):
+            size = creq.allocation_size
+            if size < 1:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"container_requests[{i}].allocation_size must be at least 1, got {size}")
+            # IDs we cannot place are left out rather than failing admission: the kubelet fills any shortfall.
+            available = [s for d in dict.fromkeys(creq.available_deviceIDs)
+                         if (s := self.resource.backing(snap, d)) is not None]
+            must = [s for d in dict.fromkeys(creq.must_include_deviceIDs)
+                    if (s := self.resource.backing(snap, d)) is not None]
+            if len(must) > size:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"container_requests[{i}]: {len(must)} must-include devices exceed "
+                              f"allocation_size {size}")
+            resp.container_responses.add(deviceIDs=preferred(available, must, size))
+        return resp
+
+    def PreStartContainer(self, request: api_pb2.PreStartContainerRequest,
+                          context: grpc.ServicerContext) -> api_pb2.PreStartContainerResponse:
+        return api_pb2.PreStartContainerResponse()

@@ -1,0 +1,116 @@
+"""The node-local health stream (gpuhealth.v1alpha1.DeviceHealth) on its own unix socket."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+from api.gpuhealth.v1alpha1 import health_pb2, health_pb2_grpc
+from plugin.health.state import DeviceStatus, NodeState, Snapshot, Transition
+from plugin.health.states import Reason
+
+log = logging.getLogger(__name__)
+
+
+def reason_pb(r: Reason) -> health_pb2.Reason:
+    return health_pb2.Reason(code=r.code, message=r.message, source=r.source, action=r.action,
+                             first_seen=r.first_seen, severity=r.severity.value)
+
+
+def status_pb(d: DeviceStatus) -> health_pb2.DeviceStatus:
+    return health_pb2.DeviceStatus(id=d.id, state=d.state.value, reasons=[reason_pb(r) for r in d.reasons],
+                                   since=d.since, kubelet_health=d.kubelet_health, index=d.gpu.index,
+                                   name=d.mig.profile if d.mig else d.gpu.name)
+
+
+def snapshot_pb(snap: Snapshot) -> health_pb2.ListResponse:
+    return health_pb2.ListResponse(devices=[status_pb(d) for d in snap.devices], seq=snap.seq)
+
+
+def transition_pb(t: Transition) -> health_pb2.Transition:
+    return health_pb2.Transition(seq=t.seq, id=t.id, from_state=t.from_state, to_state=t.to_state,
+                                 reasons=[reason_pb(r) for r in t.reasons], time=t.time)
+
+
+class HealthServicer(health_pb2_grpc.DeviceHealthServicer):
+    def __init__(self, state: NodeState) -> None:
+        self.state = state
+        self.closed = threading.Event()
+
+    def close(self) -> None:
+        self.closed.set()
+        self.state.poke()
+
+    def List(self, request: health_pb2.ListRequest, context: grpc.ServicerContext) -> health_pb2.ListResponse:
+        return snapshot_pb(self.state.snapshot())
+
+    def Watch(self, request: health_pb2.WatchRequest,
+              context: grpc.ServicerContext) -> Iterator[health_pb2.WatchEvent]:
+        left = threading.Event()
+
+        def on_done() -> None:
+            left.set()
+            self.state.poke()
+
+        context.add_callback(on_done)
+        snap = self.state.snapshot()
+        seq = request.since_seq
+        missed = self.state.transitions_since(seq) if seq > 0 else None
+        if missed is None:
+            # A fresh client, or one whose resume point fell out of the bounded history: start from a snapshot.
+            yield health_pb2.WatchEvent(snapshot=snapshot_pb(snap), resync=seq > 0)
+            seq = snap.seq
+        else:
+            for t in missed:
+                yield health_pb2.WatchEvent(transition=transition_pb(t))
+                seq = t.seq
+        version = snap.version
+        while True:
+            snap = self.state.wait_for_change(version, 1.0, abort=lambda: left.is_set() or self.closed.is_set())
+            if left.is_set() or self.closed.is_set() or self.state.closed:
+                return
+            version = snap.version
+            news = self.state.transitions_since(seq)
+            if news is None:  # this client fell behind the history: hand it a fresh snapshot
+                yield health_pb2.WatchEvent(snapshot=snapshot_pb(snap), resync=True)
+                seq = snap.seq
+                continue
+            for t in news:
+                yield health_pb2.WatchEvent(transition=transition_pb(t))
+                seq = t.seq
+
+
+class HealthServer:
+    def __init__(self, socket_path: Path, state: NodeState, max_workers: int = 16) -> None:
+        self.path = socket_path
+        self.servicer = HealthServicer(state)
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="health"))
+        health_pb2_grpc.add_DeviceHealthServicer_to_server(self.servicer, self._server)
+
+    def start(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+        old = os.umask(0o117)  # 0660: readable by the node's admins group, not the world
+        try:
+            self._server.add_insecure_port(f"unix://{self.path}")
+            self._server.start()
+        finally:
+            os.umask(old)
+        log.info("health API serving on %s", self.path)
+
+    def stop(self, grace_s: float = 0.5) -> None:
+        self.servicer.close()
+        self._server.stop(grace_s).wait(grace_s + 1.0)
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass

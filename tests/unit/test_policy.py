@@ -1,0 +1,129 @@
+"""Policy tables: each signal maps to the documented reason code and state; overrides and classes apply."""
+
+from __future__ import annotations
+
+import pytest
+
+from plugin.devices.model import GpuEvent, Reading
+from plugin.health.policy import HealthConfig, classify_event, evaluate_reading
+from plugin.health.states import REASONS, State
+
+CFG = HealthConfig()
+T = 1000.0
+
+
+def codes(reading: Reading, previous: Reading | None = None, cfg: HealthConfig = CFG) -> dict[str, State]:
+    return {c.code: c.severity for c in evaluate_reading(reading, previous, cfg)}
+
+
+BASE = dict(temperature_c=40, temperature_slowdown_c=87, temperature_shutdown_c=92, pcie_gen=5, pcie_width=16,
+            pcie_max_gen=5, pcie_max_width=16, recovery_action="none")
+
+
+@pytest.mark.parametrize(("signals", "expected"), [
+    ({}, {}),
+    ({"ecc_uncorrected_volatile": 2}, {"ecc-uncorrected": State.UNHEALTHY}),
+    ({"ecc_corrected_volatile": 10_000}, {}),  # corrected errors alone are not a fault by default
+    ({"row_remap_pending": True}, {"row-remap-pending": State.DEGRADED}),
+    ({"row_remap_failure": True}, {"row-remap-failure": State.UNHEALTHY}),
+    ({"retired_pages_pending": True}, {"retired-pages-pending": State.DEGRADED}),
+    ({"retired_pages_count": 63}, {"retired-pages-limit": State.UNHEALTHY}),
+    ({"retired_pages_count": 62}, {}),
+    ({"temperature_c": 87}, {"thermal-slowdown": State.DEGRADED}),
+    ({"temperature_c": 92}, {"temperature-shutdown": State.UNHEALTHY}),
+    ({"clock_event_reasons": frozenset({"hw_thermal_slowdown"})}, {"thermal-slowdown": State.DEGRADED}),
+    ({"clock_event_reasons": frozenset({"sw_thermal_slowdown"})}, {"thermal-slowdown": State.DEGRADED}),
+    ({"clock_event_reasons": frozenset({"hw_slowdown"})}, {"hw-slowdown": State.DEGRADED}),
+    ({"clock_event_reasons": frozenset({"hw_power_brake_slowdown"})}, {"power-brake": State.DEGRADED}),
+    ({"pcie_width": 8}, {"pcie-link-degraded": State.DEGRADED}),
+    ({"pcie_gen": 3}, {"pcie-link-degraded": State.DEGRADED}),
+    ({"pcie_gen": 3, "gpu_idle": True}, {}),  # idle GPUs lower their link generation to save power
+    ({"nvlink_down": (2,)}, {"nvlink-down": State.UNHEALTHY}),
+    ({"recovery_action": "gpu_reset"}, {"recovery-action-reset": State.UNHEALTHY}),
+    ({"recovery_action": "drain_and_reset"}, {"recovery-action-reset": State.UNHEALTHY}),
+    ({"recovery_action": "node_reboot"}, {"recovery-action-reboot": State.UNHEALTHY}),
+    ({"recovery_action": "drain_p2p"}, {"recovery-action-drain-p2p": State.DEGRADED}),
+    ({"fabric_health": "unhealthy"}, {"fabric-unhealthy": State.UNHEALTHY}),
+    ({"fabric_health": "limited_capacity"}, {"fabric-limited": State.DEGRADED}),
+    ({"reset_required": True}, {"reset-required": State.UNHEALTHY}),
+    ({"lost": True}, {"gpu-lost": State.UNHEALTHY}),
+])
+def test_polled_signal_table(signals: dict[str, object], expected: dict[str, State]) -> None:
+    assert codes(Reading(time=T, **{**BASE, **signals})) == expected  # type: ignore[arg-type]
+
+
+def test_not_supported_signals_are_not_faults() -> None:
+    assert codes(Reading(time=T)) == {}
+
+
+def test_pcie_replay_rate_uses_per_lane_limit_for_the_generation() -> None:
+    prev = Reading(time=T, **{**BASE, "pcie_replay_count": 0})  # type: ignore[arg-type]
+    # Gen5 x16 tolerates 1.92 * 16 = 30.72 replays per minute.
+    slow = Reading(time=T + 60, **{**BASE, "pcie_replay_count": 30})  # type: ignore[arg-type]
+    fast = Reading(time=T + 60, **{**BASE, "pcie_replay_count": 31})  # type: ignore[arg-type]
+    assert "pcie-replay-rate" not in codes(slow, prev)
+    assert codes(fast, prev)["pcie-replay-rate"] == State.DEGRADED
+
+
+def test_nvlink_error_counter_growth() -> None:
+    prev = Reading(time=T, nvlink_error_count=5)
+    assert codes(Reading(time=T + 5, nvlink_error_count=5), prev) == {}
+    assert codes(Reading(time=T + 5, nvlink_error_count=6), prev) == {"nvlink-errors": State.DEGRADED}
+
+
+def test_corrected_ecc_limit_when_configured() -> None:
+    cfg = HealthConfig(ecc_corrected_limit=100)
+    assert codes(Reading(time=T, ecc_corrected_volatile=101), cfg=cfg) == {"ecc-corrected-high": State.DEGRADED}
+
+
+def test_overrides_change_or_drop_a_reason() -> None:
+    cfg = HealthConfig(overrides={"pcie-link-degraded": "Unhealthy", "thermal-slowdown": "ignore"})
+    r = Reading(time=T, **{**BASE, "pcie_width": 4, "temperature_c": 88})  # type: ignore[arg-type]
+    assert codes(r, cfg=cfg) == {"pcie-link-degraded": State.UNHEALTHY}
+
+
+@pytest.mark.parametrize(("xid", "disposition", "code", "severity", "action"), [
+    (79, "latch", "xid-79", State.UNHEALTHY, "reboot-node"),
+    (48, "latch", "xid-48", State.UNHEALTHY, "reset-gpu"),
+    (64, "latch", "xid-64", State.UNHEALTHY, "contact-support"),
+    (63, "latch", "xid-63", State.DEGRADED, "reset-gpu"),
+    (94, "latch", "xid-94", State.DEGRADED, "reset-gpu"),
+    (13, "count", "xid-13-repeated", State.DEGRADED, "contact-support"),
+    (31, "count", "xid-31-repeated", State.DEGRADED, "contact-support"),
+    (999, "latch", "xid-999", State.DEGRADED, "contact-support"),
+])
+def test_xid_classes(xid: int, disposition: str, code: str, severity: State, action: str) -> None:
+    d, c = classify_event(GpuEvent("GPU-x", "xid", xid, T), CFG)
+    assert d == disposition
+    assert c is not None and (c.code, c.severity, c.action, c.source) == (code, severity, action, "event")
+
+
+def test_xid_154_asks_for_a_poll_and_ignored_xids_do_nothing() -> None:
+    assert classify_event(GpuEvent("GPU-x", "xid", 154, T), CFG) == ("poll", None)
+    cfg = HealthConfig(ignored_xids=frozenset({79}), fatal_xids=frozenset())
+    assert classify_event(GpuEvent("GPU-x", "xid", 79, T), cfg) == ("ignore", None)
+
+
+def test_configured_classes_move_an_xid() -> None:
+    cfg = HealthConfig(fatal_xids=frozenset({13}), application_xids=frozenset())
+    d, c = classify_event(GpuEvent("GPU-x", "xid", 13, T), cfg)
+    assert d == "latch" and c is not None and c.severity == State.UNHEALTHY
+
+
+def test_ecc_and_unavailable_events() -> None:
+    d, c = classify_event(GpuEvent("GPU-x", "ecc-dbe", 0, T), CFG)
+    assert d == "latch" and c is not None and c.code == "ecc-uncorrected"
+    d, c = classify_event(GpuEvent("GPU-x", "gpu-unavailable", 0, T), CFG)
+    assert d == "latch" and c is not None and c.code == "gpu-unavailable"
+
+
+def test_every_emitted_code_is_documented() -> None:
+    documented = {r.code for r in REASONS}
+    r = Reading(time=T, **{**BASE, "ecc_uncorrected_volatile": 1, "row_remap_pending": True,  # type: ignore[arg-type]
+                           "row_remap_failure": True, "retired_pages_pending": True, "retired_pages_count": 70,
+                           "temperature_c": 95, "clock_event_reasons": frozenset({"hw_slowdown",
+                                                                                  "hw_power_brake_slowdown"}),
+                           "pcie_width": 2, "nvlink_down": (1,), "recovery_action": "node_reboot",
+                           "fabric_health": "unhealthy", "reset_required": True})
+    for c in evaluate_reading(r, None, CFG):
+        assert c.code in documented, c.code
