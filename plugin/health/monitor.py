@@ -71,6 +71,7 @@ class Monitor:
 
     def join(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
+        self._poll_now.set()  # the poller may be mid-interval; wake it to see the stop event
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
         if self.persister is not None:

@@ -153,7 +153,9 @@ class NodeState:
     def transitions_since(self, seq: int) -> list[Transition] | None:
         """Transitions after ``seq``; None when ``seq`` is older than the bounded history (resync needed)."""
         with self._cond:
-            if seq >= self._seq:
+            if seq > self._seq:
+                return None  # a number from a future we never issued (another epoch): resync
+            if seq == self._seq:
                 return []
             if not self._history or self._history[0].seq > seq + 1:
                 return None

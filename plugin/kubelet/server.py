@@ -37,12 +37,17 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
         self.options = options
         self.closed = threading.Event()
         self._streams = 0
-        self._streams_lock = threading.Lock()
+        self._streams_lock = threading.Condition()
         self.allocations = 0
 
     @property
     def open_streams(self) -> int:
         return self._streams
+
+    def wait_for_streams(self, count: int, timeout: float) -> bool:
+        """Block until exactly ``count`` streams are open (tests and shutdown use it)."""
+        with self._streams_lock:
+            return self._streams_lock.wait_for(lambda: self._streams == count, timeout)
 
     def close(self) -> None:
         """End every open stream of this servicer (the server is being replaced or the process stops)."""
@@ -80,6 +85,7 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
         finally:
             with self._streams_lock:
                 self._streams -= 1
+                self._streams_lock.notify_all()
 
     def Allocate(self, request: api_pb2.AllocateRequest, context: grpc.ServicerContext) -> api_pb2.AllocateResponse:
         if not request.container_requests:

@@ -87,7 +87,9 @@ class KubeletStandin(api_pb2_grpc.RegistrationServicer):
 
     def Register(self, request: api_pb2.RegisterRequest, context: grpc.ServicerContext) -> api_pb2.Empty:
         def reject(msg: str) -> api_pb2.Empty:
-            self.rejections.append(msg)
+            with self._cond:
+                self.rejections.append(msg)
+                self._cond.notify_all()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, msg)
             return api_pb2.Empty()
 
@@ -107,7 +109,9 @@ class KubeletStandin(api_pb2_grpc.RegistrationServicer):
         except (grpc.FutureTimeoutError, grpc.RpcError) as exc:
             channel.close()
             msg = f"cannot dial plugin {request.endpoint}: {exc}"
-            self.rejections.append(msg)
+            with self._cond:
+                self.rejections.append(msg)
+                self._cond.notify_all()
             context.abort(grpc.StatusCode.UNAVAILABLE, msg)
         view = PluginView(name, request.endpoint, options, channel, stub)
         with self._cond:

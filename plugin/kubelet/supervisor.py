@@ -99,7 +99,7 @@ class _DirHandler(FileSystemEventHandler):
     def on_any_event(self, event: FileSystemEvent) -> None:
         name = os.path.basename(str(event.src_path))
         if event.event_type == "created" and name == KUBELET_SOCKET:
-            self._sup.request_restart("kubelet.sock created (kubelet restarted)")
+            self._sup.kubelet_socket_created()
         elif event.event_type == "deleted" and name in self._sup.current_endpoints():
             self._sup.request_restart(f"our socket {name} was deleted")
 
@@ -123,10 +123,27 @@ class Supervisor:
         self._observer: Observer | None = None  # type: ignore[valid-type]
         self._thread: threading.Thread | None = None
         self.registered_event = threading.Event()  # set after every successful round of registration
+        self._registered_with: tuple[int, int] | None = None
 
     def current_endpoints(self) -> set[str]:
         with self._lock:
             return {s.endpoint for s in self.servers}
+
+    def _kubelet_identity(self) -> tuple[int, int] | None:
+        try:
+            st = (self.plugin_dir / KUBELET_SOCKET).stat()
+        except OSError:
+            return None
+        return st.st_ino, st.st_ctime_ns
+
+    def kubelet_socket_created(self) -> None:
+        # Our socket's deletion (the kubelet wipes the dir first) may already have made us register with this very
+        # kubelet; registering again would open the old-stream race the kubelet had before 1.37.
+        ident = self._kubelet_identity()
+        if ident is not None and self.record.registered and ident == self._registered_with:
+            log.info("kubelet.sock created, but already registered with that kubelet")
+            return
+        self.request_restart("kubelet.sock created (kubelet restarted)")
 
     def request_restart(self, reason: str) -> None:
         with self._lock:
@@ -189,6 +206,7 @@ class Supervisor:
 
     def _register_all(self) -> bool:
         kubelet_socket = self.plugin_dir / KUBELET_SOCKET
+        ident = self._kubelet_identity()
         for server in list(self.servers):
             try:
                 register(kubelet_socket, server, self.options)
@@ -200,6 +218,7 @@ class Supervisor:
                 self.record.last_error = str(why)
                 return False
             log.info("registered %s with the kubelet (endpoint %s)", server.resource.name, server.endpoint)
+        self._registered_with = ident
         self.record.registered = True
         self.record.registrations += 1
         self.record.last_registered_at = time.time()

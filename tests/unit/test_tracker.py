@@ -30,7 +30,7 @@ def test_reappearing_condition_restarts_the_clean_count_and_keeps_first_seen() -
     poll(t, 5)
     poll(t, 10, nvlink_down=(1,))
     assert poll(t, 15) == State.UNHEALTHY
-    state, reasons = t.verdict(15)
+    _state, reasons = t.verdict(15)
     assert reasons[0].code == "nvlink-down" and reasons[0].first_seen == 0
     assert poll(t, 20) == State.HEALTHY
 

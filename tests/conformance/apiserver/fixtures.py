@@ -1,0 +1,75 @@
+"""pytest fixtures for the API-server peer; registered for all of tests/conformance/ by its conftest.py.
+
+    def test_something(apiserver):            # session-scoped, started once
+        apiserver.url, apiserver.ca_file, apiserver.kubeconfig     # admin access
+        apiserver.kubectl("get", "nodes")                          # CompletedProcess; raises on failure
+        apiserver.create_node("gpu-node-1")
+        token = apiserver.token_for_pod("ns", "sa", "pod")         # Pod-bound: carries the pod's node
+        kubeconfig = apiserver.kubeconfig_for_token(token, "plugin")
+        apiserver.request("PATCH", "/api/v1/nodes/x", body, token=token,
+                          content_type="application/merge-patch+json")
+
+Objects persist for the whole session: use unique names per test.
+
+Where the Go toolchain is missing or a build fails the tests that use these fixtures are skipped
+with the reason, except when CI=true, where that is a failure.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+
+
+def _load(name: str, path: Path):
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+binaries = _load("gpu_health_apiserver_binaries", HERE / "_binaries.py")
+peer_module = _load("apiserver_peer", HERE / "apiserver_peer.py")
+ApiServerPeer = peer_module.ApiServerPeer
+
+
+def _unavailable(message: str) -> None:
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{message}\n(CI=true: a missing Go toolchain or a failed build is a failure)", pytrace=False)
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def apiserver_binaries() -> dict[str, Path]:
+    """Paths of etcd, kube-apiserver, kubectl and testpki (built once, then taken from the cache)."""
+    try:
+        return binaries.build_all()
+    except binaries.BuildErrors as exc:
+        _unavailable(f"API-server peer unavailable: {exc}")
+    raise AssertionError("unreachable")
+
+
+@pytest.fixture(scope="session")
+def apiserver(apiserver_binaries, tmp_path_factory):
+    """A running kube-apiserver + etcd on loopback (see apiserver_peer.py), stopped at session end."""
+    for attempt in range(3):
+        try:
+            peer = ApiServerPeer.start(apiserver_binaries, workdir=tmp_path_factory.mktemp("apiserver"))
+            break
+        except peer_module.PeerStartError as exc:
+            # The free ports are picked before the processes bind them; another process can win.
+            if attempt == 2 or "address already in use" not in str(exc):
+                raise
+    try:
+        yield peer
+    finally:
+        peer.stop()

@@ -1,0 +1,58 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from plugin.app import App
+from plugin.config import Config
+from plugin.health.policy import HealthConfig
+from plugin.kubelet.standin import KubeletStandin
+from tests.conftest import NodeFile
+
+
+@dataclass
+class Env:
+    root: Path
+    node: NodeFile
+    kubelet: KubeletStandin
+    app: App
+    cfg: Config
+
+    def wait_kubelet(self, predicate: object, timeout: float = 10.0) -> bool:
+        return self.kubelet.wait_for(predicate, timeout)  # type: ignore[arg-type]
+
+    def wait_state(self, predicate: object, timeout: float = 10.0) -> bool:
+        import time
+
+        deadline = time.monotonic() + timeout
+        version = -1
+        while not predicate():  # type: ignore[operator]
+            if time.monotonic() > deadline:
+                return False
+            version = self.app.state.wait_for_change(version, 0.2).version
+        return True
+
+
+def make_config(root: Path, node: NodeFile, dev_root: Path, **extra: object) -> Config:
+    return Config(backend="simulated", simulated_node=node.path, device_plugin_dir=root / "dp",
+                  state_dir=root / "state", dev_root=dev_root, poll_interval=0.1,
+                  health=HealthConfig(clear_after_polls=2), **extra)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def env(short_socket_dir: Path, dev_root: Path) -> Iterator[Env]:
+    node = NodeFile(short_socket_dir / "node.json")
+    kubelet = KubeletStandin(short_socket_dir / "dp")
+    kubelet.start()
+    cfg = make_config(short_socket_dir, node, dev_root)
+    app = App(cfg)
+    app.start()
+    e = Env(short_socket_dir, node, kubelet, app, cfg)
+    assert e.wait_kubelet(lambda: kubelet.capacity() == (8, 8)), "plugin never registered"
+    yield e
+    app.stop.set()
+    app.shutdown()
+    kubelet.stop()

@@ -1,0 +1,109 @@
+"""The plugin as a real process: SIGTERM clean-up, state kept across restarts, NVML missing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from plugin.kubelet.standin import KubeletStandin
+from tests.conftest import NodeFile
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def start_plugin(root: Path, *extra: str, backend: str = "simulated") -> subprocess.Popen[str]:
+    args = [sys.executable, "-m", "plugin", "run", "--backend", backend, "--device-plugin-dir", str(root / "dp"),
+            "--state-dir", str(root / "state"), "--dev-root", str(root), "--poll-interval", "0.1", *extra]
+    if backend == "simulated":
+        args += ["--simulated-node", str(root / "node.json")]
+    return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.fixture
+def kubelet(short_socket_dir: Path) -> Iterator[KubeletStandin]:
+    k = KubeletStandin(short_socket_dir / "dp")
+    k.start()
+    yield k
+    k.stop()
+
+
+def stop(proc: subprocess.Popen[str]) -> tuple[int, float, str]:
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=15)
+    return proc.returncode, time.monotonic() - t0, out
+
+
+def test_sigterm_ends_streams_removes_sockets_and_exits_0(short_socket_dir: Path,
+                                                          kubelet: KubeletStandin) -> None:
+    NodeFile(short_socket_dir / "node.json")
+    proc = start_plugin(short_socket_dir)
+    try:
+        assert kubelet.wait_for(lambda: kubelet.capacity() == (8, 8), 30)
+        endpoint = kubelet.registrations[-1][2]
+        assert (short_socket_dir / "dp" / endpoint).exists()
+        assert (short_socket_dir / "state" / "health.sock").exists()
+    finally:
+        rc, took, out = stop(proc)
+    assert rc == 0, out
+    assert took < 5.0
+    assert not (short_socket_dir / "dp" / endpoint).exists()
+    assert not (short_socket_dir / "state" / "health.sock").exists()
+    view = kubelet.view()
+    assert view is not None and kubelet.wait_for(lambda: not view.connected, 5)  # the stream ended
+    assert "effective config" in out and "stopped" in out
+
+
+def test_latched_fault_survives_a_plugin_restart(short_socket_dir: Path, kubelet: KubeletStandin) -> None:
+    node = NodeFile(short_socket_dir / "node.json")
+    proc = start_plugin(short_socket_dir)
+    try:
+        assert kubelet.wait_for(lambda: kubelet.capacity() == (8, 8), 30)
+        node.set(2, xid_events=[79])
+        assert kubelet.wait_for(lambda: kubelet.capacity() == (8, 7), 10)
+    finally:
+        stop(proc)
+    # Killed hard this time, after restart: the state dir, not the XID list, carries the fault.
+    proc = start_plugin(short_socket_dir)
+    try:
+        assert kubelet.wait_for(lambda: len(kubelet.registrations) == 2 and kubelet.capacity() == (8, 7), 30)
+        # The very first snapshot after the restart already had it: the kubelet never saw 8 healthy.
+        assert kubelet.health(node.uuids[2]) == "Unhealthy"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        proc = start_plugin(short_socket_dir)
+        assert kubelet.wait_for(lambda: len(kubelet.registrations) == 3 and kubelet.capacity() == (8, 7), 30)
+    finally:
+        if proc.poll() is None:
+            stop(proc)
+
+
+def test_nvml_missing_exits_with_a_clear_message(short_socket_dir: Path) -> None:
+    if Path("/dev/nvidiactl").exists():
+        pytest.skip("this machine has an NVIDIA driver; the missing-library path cannot be shown here")
+    env = dict(os.environ, LD_LIBRARY_PATH=str(short_socket_dir))
+    r = subprocess.run([sys.executable, "-m", "plugin", "run", "--backend", "nvml", "--state-dir",
+                        str(short_socket_dir / "s"), "--device-plugin-dir", str(short_socket_dir / "dp")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 1
+    assert "cannot start the nvml backend" in r.stderr and "--fail-on-init-error=false" in r.stderr
+
+
+def test_nvml_missing_with_fail_on_init_error_false_serves_no_devices(short_socket_dir: Path,
+                                                                      kubelet: KubeletStandin) -> None:
+    if Path("/dev/nvidiactl").exists():
+        pytest.skip("this machine has an NVIDIA driver")
+    proc = start_plugin(short_socket_dir, "--fail-on-init-error=false", backend="nvml")
+    try:
+        assert kubelet.wait_for(lambda: kubelet.view() is not None and kubelet.view().updates >= 1, 30)  # type: ignore
+        assert kubelet.capacity() == (0, 0)  # registered, and nothing looks healthy
+    finally:
+        rc, _, out = stop(proc)
+    assert rc == 0 and "NVML unavailable" in out
