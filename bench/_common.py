@@ -1,0 +1,54 @@
+"""Small helpers shared by the benchmark scripts: percentiles, process stats, the machine line."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def pct(values: Sequence[float], p: float) -> float:
+    """The p-th percentile (nearest rank) of values; 0 for none."""
+    if not values:
+        return 0.0
+    s = sorted(values)
+    k = max(0, min(len(s) - 1, round(p / 100 * len(s) + 0.5) - 1))
+    return s[k]
+
+
+def summary_ms(values_s: Sequence[float]) -> dict[str, float]:
+    ms = [v * 1000 for v in values_s]
+    return {"n": len(ms), "p50_ms": round(statistics.median(ms), 3) if ms else 0.0,
+            "p99_ms": round(pct(ms, 99), 3), "max_ms": round(max(ms), 3) if ms else 0.0}
+
+
+def rss_mib(pid: int | None = None) -> float:
+    status = Path(f"/proc/{pid or 'self'}/status").read_text()
+    for line in status.splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks
+
+
+def fd_count(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def thread_count(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    return 0
+
+
+def machine() -> str:
+    return f"{os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}, {platform.system()}"
