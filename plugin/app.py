@@ -16,9 +16,12 @@ from plugin.devices.model import Discovery, Gpu, GpuEvent, Reading
 from plugin.health.monitor import Monitor
 from plugin.health.state import NodeState, StateStore
 from plugin.kubelet.allocation import AllocationConfig
-from plugin.kubelet.resources import WholeGpus
 from plugin.kubelet.supervisor import Supervisor
+from plugin.outlets.correlation import make_correlator
 from plugin.outlets.health_api import HealthServer
+from plugin.outlets.kube import make_reporter
+from plugin.outlets.metrics import make_metrics_server
+from plugin.sharing import build_resources, profiles_of
 
 log = logging.getLogger(__name__)
 
@@ -73,21 +76,44 @@ class App:
         self.monitor = Monitor(self.backend, self.state, cfg.health, cfg.poll_interval, self.stop, self.store)
         alloc = AllocationConfig(dev_root=cfg.dev_root, cdi=cfg.cdi,
                                  allow_unhealthy=cfg.allow_unhealthy_allocation)
-        self.supervisor = Supervisor(cfg.device_plugin_dir, [WholeGpus(cfg.resource_name)], self.state, alloc,
+        # One server per resource; MIG profiles (strategy mixed) are read once at discovery, like the topology.
+        self.resources = build_resources(cfg.resource_name, cfg.mig_strategy, cfg.sharing,
+                                         profiles_of(self.backend.discover().gpus))
+        self.supervisor = Supervisor(cfg.device_plugin_dir, list(self.resources), self.state, alloc,
                                      self.stop)
         self.health_server = HealthServer(cfg.health_socket_path, self.state)
+        # Cluster reporting (node annotations, Events, node condition): None without a node name.
+        self.kube_reporter = make_reporter(cfg, self.state)
+        if self.kube_reporter is not None:
+            self.health_server.servicer.outlet_errors = self.kube_reporter.outlet_errors
+        # Pods on failing devices (PodResources -> Events, annotations, evictions); None with --correlate-on none.
+        self.correlator = make_correlator(cfg, self.state, self.resources)
+        # /metrics, /healthz, /readyz; None with --metrics-address off.
+        self.metrics_server = make_metrics_server(self)
 
     def start(self) -> None:
         self.cfg.state_dir.mkdir(parents=True, exist_ok=True)
         self.monitor.start()
         self.health_server.start()
         self.supervisor.start()
+        if self.kube_reporter is not None:
+            self.kube_reporter.start()  # after the kubelet path: the API server never delays it
+        if self.correlator is not None:
+            self.correlator.start()
+        if self.metrics_server is not None:
+            self.metrics_server.start()  # after the first poll, so /healthz is true from the first probe
 
     def shutdown(self, timeout_s: float = 4.0) -> None:
         deadline = time.monotonic() + timeout_s
         self.stop.set()
         self.state.close()
         self.supervisor.shutdown(timeout_s=1.0)
+        if self.kube_reporter is not None:
+            self.kube_reporter.stop(timeout=0.5)  # a request in flight is abandoned (daemon thread)
+        if self.correlator is not None:
+            self.correlator.stop(timeout=0.5)
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
         self.health_server.stop(grace_s=0.2)
         self.monitor.join(max(0.1, deadline - time.monotonic()))
         self.backend.close()

@@ -18,6 +18,8 @@ import yaml
 
 from plugin.health.policy import DEFAULT_KUBELET_HEALTH, HealthConfig
 from plugin.health.states import State
+from plugin.sharing import MIG_STRATEGIES, SharingConfig, SharingError, parse_sharing
+from plugin.sharing import validate as validate_sharing
 
 CONFIG_VERSION = "v1"
 ENV_PREFIX = "GPU_HEALTH_"
@@ -81,6 +83,70 @@ def _str(v: Any) -> str:
     return v
 
 
+def split_host_port(s: str) -> tuple[str, int]:
+    """``HOST:PORT`` -> (host, port); an IPv6 host is bracketed (``[::]:9402``); an empty host means all."""
+    host, sep, port = s.rpartition(":")
+    if not sep:
+        raise ValueError(f"expected HOST:PORT or off, got {s!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ValueError(f"put an IPv6 host in brackets ([::]:9402), got {s!r}")
+    if not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"port must be a number from 0 to 65535, got {port!r} in {s!r}")
+    return host, int(port)
+
+
+def _listen_address(v: Any) -> str:
+    s = str(v).strip()
+    if s.lower() == "off":
+        return "off"
+    split_host_port(s)
+    return s
+
+
+CORRELATABLE_STATES = ("Degraded", "Unknown", "Unhealthy")
+
+
+def _state_list(v: Any) -> tuple[str, ...]:
+    """A comma-separated string or a list of states; ``none`` (or empty) for no states."""
+    items = [str(x).strip() for x in v] if isinstance(v, list) else [x.strip() for x in str(v).split(",")]
+    items = [x for x in items if x]
+    if items in ([], ["none"]):
+        return ()
+    bad = [x for x in items if x not in CORRELATABLE_STATES]
+    if bad:
+        raise ValueError(f"expected states among {', '.join(CORRELATABLE_STATES)} (or none), got {bad[0]!r}")
+    return tuple(sorted(set(items), key=CORRELATABLE_STATES.index))
+
+
+def _node_name(v: Any) -> str:
+    from plugin.outlets.annotations import check_node_name
+    return check_node_name(str(v).strip())
+
+
+def _annotation_prefix(v: Any) -> str:
+    from plugin.outlets.annotations import check_prefix
+    return check_prefix(str(v).strip())
+
+
+def _condition_type(v: Any) -> str:
+    from plugin.outlets.condition import check_condition_type
+    return check_condition_type(str(v).strip())
+
+
+def _int_pos(v: Any) -> int:
+    if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
+        raise ValueError(f"expected a positive integer, got {v!r}")
+    try:
+        n = int(v)
+    except (TypeError, ValueError):
+        raise ValueError(f"expected a positive integer, got {v!r}") from None
+    if n <= 0:
+        raise ValueError(f"expected a positive integer, got {v!r}")
+    return n
+
+
 @dataclass(frozen=True)
 class Option:
     name: str  # python attribute
@@ -88,6 +154,7 @@ class Option:
     default: Any
     help: str
     metavar: str = ""
+    env_aliases: tuple[str, ...] = ()  # other variables read when ENV_PREFIX+NAME is unset (e.g. NODE_NAME)
 
     @property
     def flag(self) -> str:
@@ -119,6 +186,8 @@ OPTIONS: tuple[Option, ...] = (
            "(default: health.sock in the state dir)", "PATH"),
     Option("dev_root", _path, Path("/"), "root under which the host's /dev/nvidia* nodes are found", "DIR"),
     Option("resource_name", _resource, "nvidia.com/gpu", "extended resource advertised to the kubelet", "NAME"),
+    Option("mig_strategy", _choice(*MIG_STRATEGIES), "none", "MIG devices: none (GPUs whole), single (MIG devices "
+           "as the resource above) or mixed (one resource per profile, e.g. nvidia.com/mig-1g.10gb)"),
     Option("cdi", _bool, False, "also return CDI device names (nvidia.com/gpu=<uuid>) from Allocate"),
     Option("allow_unhealthy_allocation", _bool, False,
            "let Allocate hand out devices the plugin reports Unhealthy (default: FAILED_PRECONDITION)"),
@@ -127,6 +196,36 @@ OPTIONS: tuple[Option, ...] = (
            "exit non-zero when NVML cannot start; false keeps serving with no healthy devices"),
     Option("log_format", _choice("text", "json"), "text", "log line format"),
     Option("log_level", _choice("debug", "info", "warning", "error"), "info", "log verbosity"),
+    Option("metrics_address", _listen_address, "0.0.0.0:9402",
+           "HOST:PORT serving /metrics, /healthz and /readyz; off disables", "HOST:PORT"),
+    Option("stall_threshold", _float_pos, 60.0, "seconds a health loop may fall behind (the poller: beyond "
+           "its interval) before /healthz fails", "SECONDS"),
+    Option("correlate_on", _state_list, ("Unhealthy",), "device states that make the plugin find the pods "
+           "holding the device (PodResources) and post Events on them; comma-separated, or none", "STATES"),
+    Option("pod_resources_socket", _path, Path("/var/lib/kubelet/pod-resources/kubelet.sock"),
+           "the kubelet's PodResources socket", "PATH"),
+    Option("annotate_pods", _bool, False, "also annotate pods holding a failing device"),
+    Option("remediate", _choice("none", "evict"), "none",
+           "evict: evict pods holding a failing device through the eviction API (PodDisruptionBudgets apply)"),
+    # Cluster reporting (plugin/outlets/kube.py, docs/annotations.md). Reporting is on when a node name is known.
+    Option("node_name", _node_name, "", "this node's name in the API server (the DaemonSet sets NODE_NAME); "
+           "empty turns cluster reporting off", "NAME", env_aliases=("NODE_NAME",)),
+    Option("kubeconfig", _opt_path, None, "kubeconfig for running outside the cluster "
+           "(default: the Pod's service account)", "FILE"),
+    Option("annotations", _bool, True, "write per-device health annotations onto this node"),
+    Option("annotation_prefix", _annotation_prefix, "gpu-health.io",
+           "DNS subdomain our annotation keys live under (the admission policy allows gpu-health.io)", "DOMAIN"),
+    Option("annotation_max_bytes", _int_pos, 65536, "cap on the size of our annotations; beyond it device "
+           "entries are dropped, worst kept, and a truncation marker is written", "BYTES"),
+    Option("events", _bool, True, "post Events on this node for transitions into and out of Degraded/Unhealthy"),
+    Option("node_condition", _bool, False, "maintain a node condition (needs nodes/status patch: the "
+           "node-condition overlay)"),
+    Option("node_condition_type", _condition_type, "GPUHealthy", "type of that node condition", "TYPE"),
+    Option("report_debounce", _float_pos, 1.0, "seconds a burst of changes is collected into one write", "SECONDS"),
+    Option("report_min_interval", _float_pos, 10.0, "seconds between two writes to the node (token bucket)",
+           "SECONDS"),
+    Option("report_resync_interval", _float_pos, 600.0, "seconds between re-reads of the node that repair "
+           "manual edits of our keys", "SECONDS"),
 )
 BY_NAME = {o.name: o for o in OPTIONS}
 
@@ -140,13 +239,32 @@ class Config:
     health_socket: Path | None = None
     dev_root: Path = Path("/")
     resource_name: str = "nvidia.com/gpu"
+    mig_strategy: str = "none"
     cdi: bool = False
     allow_unhealthy_allocation: bool = False
     poll_interval: float = 5.0
     fail_on_init_error: bool = True
     log_format: str = "text"
     log_level: str = "info"
+    metrics_address: str = "0.0.0.0:9402"
+    stall_threshold: float = 60.0
+    correlate_on: tuple[str, ...] = ("Unhealthy",)
+    pod_resources_socket: Path = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
+    annotate_pods: bool = False
+    remediate: str = "none"
+    node_name: str = ""
+    kubeconfig: Path | None = None
+    annotations: bool = True
+    annotation_prefix: str = "gpu-health.io"
+    annotation_max_bytes: int = 65536
+    events: bool = True
+    node_condition: bool = False
+    node_condition_type: str = "GPUHealthy"
+    report_debounce: float = 1.0
+    report_min_interval: float = 10.0
+    report_resync_interval: float = 600.0
     health: HealthConfig = field(default_factory=HealthConfig)
+    sharing: SharingConfig = field(default_factory=SharingConfig)
     source: dict[str, str] = field(default_factory=dict, compare=False)  # field -> flag/env/file/default
 
     @property
@@ -157,11 +275,12 @@ class Config:
         """What is in force, for the start-up log (JSON-safe)."""
         out: dict[str, Any] = {}
         for f in fields(self):
-            if f.name in ("health", "source"):
+            if f.name in ("health", "source", "sharing"):
                 continue
             v = getattr(self, f.name)
             out[f.name] = str(v) if isinstance(v, Path) else v
         out["health_socket"] = str(self.health_socket_path)
+        out["sharing"] = self.sharing.effective()
         h = self.health
         out["health"] = {
             "fatal_xids": sorted(h.fatal_xids), "degraded_xids": sorted(h.degraded_xids),
@@ -170,6 +289,12 @@ class Config:
             "kubelet_health": {k.value: v for k, v in h.kubelet_health.items()},
         }
         return out
+
+
+def _first(keys: set[Any]) -> str:
+    """The first offending key, printable even when YAML made it empty, a number or null."""
+    names = sorted((k if isinstance(k, str) and k.isprintable() and k.strip() else repr(k)) for k in keys)
+    return names[0]
 
 
 # The health section --------------------------------------------------------------------------------------------
@@ -205,7 +330,7 @@ def _section(doc: Mapping[str, Any], key: str, where: str, known: set[str]) -> d
         raise ConfigError(where, f"expected a mapping, got {v!r}")
     unknown = set(v) - known
     if unknown:
-        raise ConfigError(f"{where}.{sorted(unknown)[0]}", f"unknown key (known: {', '.join(sorted(known))})")
+        raise ConfigError(f"{where}.{_first(unknown)}", f"unknown key (known: {', '.join(sorted(known))})")
     return v
 
 
@@ -218,7 +343,7 @@ def parse_health(doc: Any) -> HealthConfig:
            "latchHoldSeconds", "flap", "overrides", "kubeletHealth"}
     unknown = set(doc) - top
     if unknown:
-        raise ConfigError(f"health.{sorted(unknown)[0]}", f"unknown key (known: {', '.join(sorted(top))})")
+        raise ConfigError(f"health.{_first(unknown)}", f"unknown key (known: {', '.join(sorted(top))})")
     h = HealthConfig()
     changes: dict[str, Any] = {}
     xid = _section(doc, "xid", "health.xid", {"fatal", "degraded", "application", "ignored"})
@@ -263,6 +388,9 @@ def parse_health(doc: Any) -> HealthConfig:
     flap = _section(doc, "flap", "health.flap", {"max", "windowSeconds", "backoffSeconds"})
     if "max" in flap:
         changes["flap_max"] = _num(flap["max"], "health.flap.max", True, minimum=1)
+        if changes["flap_max"] > 10_000:
+            raise ConfigError("health.flap.max", f"at most 10000 (set windowSeconds: 0 to turn damping off), "
+                                                 f"got {changes['flap_max']}")
     if "windowSeconds" in flap:
         changes["flap_window_s"] = float(_num(flap["windowSeconds"], "health.flap.windowSeconds"))
     if "backoffSeconds" in flap:
@@ -311,7 +439,7 @@ def read_file(path: Path) -> dict[str, Any]:
     known = {"version", "plugin", "health", "sharing"}
     unknown = set(doc) - known
     if unknown:
-        raise ConfigError(sorted(unknown)[0], f"unknown section (known: {', '.join(sorted(known))})")
+        raise ConfigError(_first(unknown), f"unknown section (known: {', '.join(sorted(known))})")
     return doc
 
 
@@ -324,14 +452,15 @@ def load(flags: Mapping[str, Any], env: Mapping[str, str], file: Path | None) ->
     by_key = {o.key: o for o in OPTIONS}
     for k in plugin:
         if k not in by_key:
-            raise ConfigError(f"plugin.{k}", f"unknown key (known: {', '.join(sorted(by_key))})")
+            raise ConfigError(f"plugin.{_first({k})}", f"unknown key (known: {', '.join(sorted(by_key))})")
     values: dict[str, Any] = {}
     source: dict[str, str] = {}
     for o in OPTIONS:
         if flags.get(o.name) is not None:
             raw, src, label = flags[o.name], "flag", o.flag
-        elif o.env in env:
-            raw, src, label = env[o.env], "env", o.env
+        elif o.env in env or any(a in env for a in o.env_aliases):
+            var = next(v for v in (o.env, *o.env_aliases) if v in env)
+            raw, src, label = env[var], "env", var
         elif o.key in plugin:
             raw, src, label = plugin[o.key], "file", f"plugin.{o.key}"
         else:
@@ -344,7 +473,12 @@ def load(flags: Mapping[str, Any], env: Mapping[str, str], file: Path | None) ->
             raise ConfigError(label, str(exc)) from None
         source[o.name] = src
     health = parse_health(doc.get("health"))
-    cfg = Config(**values, health=health, source=source)
+    try:
+        sharing = parse_sharing(doc.get("sharing"))
+        validate_sharing(sharing, values["resource_name"], values["mig_strategy"])
+    except SharingError as exc:
+        raise ConfigError(exc.field, exc.message) from None
+    cfg = Config(**values, health=health, sharing=sharing, source=source)
     if cfg.backend != "simulated" and cfg.simulated_node is not None:
         raise ConfigError("simulated_node", "only valid with --backend simulated")
     return cfg

@@ -52,7 +52,7 @@ class Demo:
         # A short poll and quick clearing keep the demo lively; production defaults are 5 s and 3 polls.
         cfg = Config(backend="simulated", simulated_node=self.node_file, device_plugin_dir=root / "device-plugins",
                      state_dir=root / "state", dev_root=root / "host", poll_interval=0.5,
-                     health=HealthConfig(clear_after_polls=2))
+                     health=HealthConfig(clear_after_polls=2), metrics_address="off")
         self.app = App(cfg, SimulatedBackend(self.node_file))
         self.log: list[str] = []
         self.started = time.monotonic()

@@ -49,6 +49,11 @@ class Monitor:
         self.last_event_loop_at = 0.0
         self.poll_durations: list[float] = []
         self.events_seen = 0
+        # Cumulative counters for the metrics outlet (read at scrape time, never reset): poll cycles and their
+        # total seconds, and XID events by (device, XID).
+        self.polls = 0
+        self.poll_seconds = 0.0
+        self.xids_seen: dict[tuple[str, int], int] = {}
         if store is not None:
             saved = store.load()
             self._saved = dict(saved.get("devices", {}))
@@ -118,6 +123,9 @@ class Monitor:
         with self._lock:
             for e in events:
                 self.events_seen += 1
+                if e.kind == "xid":
+                    key = (e.uuid, e.code)
+                    self.xids_seen[key] = self.xids_seen.get(key, 0) + 1
                 if e.gpu_instance_id is not None:
                     tracker = self._mig_tracker_for(e.uuid, e.gpu_instance_id)
                 else:
@@ -165,6 +173,8 @@ class Monitor:
         self.last_poll_at = now
         elapsed = time.perf_counter() - started
         self.poll_durations.append(elapsed)
+        self.polls += 1
+        self.poll_seconds += elapsed
         if len(self.poll_durations) > 1000:
             del self.poll_durations[:500]
         if self.persister is not None and (dirty or transitions):

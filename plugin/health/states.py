@@ -73,7 +73,7 @@ class ReasonSpec:
     description: str
 
 
-# The reason-code table. docs/health.md is generated from it (scripts/gen_docs.py) so the two cannot drift.
+# The reason-code table. docs/reasons.md is generated from it (scripts/gen_docs.py) so the two cannot drift.
 REASONS: tuple[ReasonSpec, ...] = (
     ReasonSpec("xid-<n>", State.UNHEALTHY, "reset-gpu", "event",
                "A fatal XID (class `fatal`; 79 asks for a node reboot). Latched until the GPU is seen reset or the "

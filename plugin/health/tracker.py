@@ -37,7 +37,8 @@ class DeviceTracker:
         self._app_xids: dict[int, deque[float]] = {}
         self._error_streak = 0
         self._previous: Reading | None = None
-        self._changes: deque[tuple[float, State]] = deque()
+        # Only whether there were more than flap_max changes matters, so that many entries are all we keep.
+        self._changes: deque[tuple[float, State]] = deque(maxlen=cfg.flap_max + 1)
         self._backoff_until = 0.0
         self._held = State.HEALTHY
         self.state = State.HEALTHY

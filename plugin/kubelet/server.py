@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 
 from api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from plugin.health.state import NodeState
-from plugin.kubelet.allocation import AllocationConfig, AllocationError, check_ids, container_response, preferred
+from plugin.kubelet.allocation import AllocationConfig, AllocationError, check_ids, container_response
 from plugin.kubelet.resources import KubeletDevice, Resource
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
                 view = self.resource.devices(snap)
                 if view != last:
                     last = view
-                    yield to_response(view)
+                    yield self.resource.response(snap)  # the same view, from the resource's cached encoding
         finally:
             with self._streams_lock:
                 self._streams -= 1
@@ -94,9 +94,11 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
         resp = api_pb2.AllocateResponse()
         try:
             for i, creq in enumerate(request.container_requests):
+                what = f"container_requests[{i}].devices_ids"
+                self.resource.check_request(snap, creq.devices_ids, what)  # e.g. failRequestsGreaterThanOne
                 statuses = check_ids(list(creq.devices_ids), lambda d: self.resource.backing(snap, d),
-                                     self.alloc.allow_unhealthy, f"container_requests[{i}].devices_ids")
-                resp.container_responses.append(container_response(statuses, self.alloc, Path.exists))
+                                     self.alloc.allow_unhealthy, what)
+                resp.container_responses.append(container_response(statuses, self.alloc, os.path.exists))
         except AllocationError as exc:
             log.warning("Allocate refused: %s", exc)
             context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
@@ -113,15 +115,16 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                               f"container_requests[{i}].allocation_size must be at least 1, got {size}")
             # IDs we cannot place are left out rather than failing admission: the kubelet fills any shortfall.
-            available = [s for d in dict.fromkeys(creq.available_deviceIDs)
-                         if (s := self.resource.backing(snap, d)) is not None]
-            must = [s for d in dict.fromkeys(creq.must_include_deviceIDs)
-                    if (s := self.resource.backing(snap, d)) is not None]
+            available = [d for d in dict.fromkeys(creq.available_deviceIDs)
+                         if self.resource.backing(snap, d) is not None]
+            must = [d for d in dict.fromkeys(creq.must_include_deviceIDs)
+                    if self.resource.backing(snap, d) is not None]
             if len(must) > size:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                               f"container_requests[{i}]: {len(must)} must-include devices exceed "
                               f"allocation_size {size}")
-            resp.container_responses.add(deviceIDs=preferred(available, must, size))
+            # The resource knows what its IDs are (whole GPUs, MIG slices, replicas) and picks accordingly.
+            resp.container_responses.add(deviceIDs=self.resource.preferred(snap, available, must, size))
         return resp
 
     def PreStartContainer(self, request: api_pb2.PreStartContainerRequest,

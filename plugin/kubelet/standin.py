@@ -33,6 +33,7 @@ class PluginView:
     connected: bool = True
     updates: int = 0
     stream: object | None = None
+    registered_at: float = 0.0
 
 
 class KubeletStandin(api_pb2_grpc.RegistrationServicer):
@@ -93,6 +94,7 @@ class KubeletStandin(api_pb2_grpc.RegistrationServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, msg)
             return api_pb2.Empty()
 
+        received = time.monotonic()
         if request.version != "v1beta1":
             return reject(f"unsupported device plugin API version {request.version!r}")
         name = request.resource_name
@@ -114,10 +116,11 @@ class KubeletStandin(api_pb2_grpc.RegistrationServicer):
                 self._cond.notify_all()
             context.abort(grpc.StatusCode.UNAVAILABLE, msg)
         view = PluginView(name, request.endpoint, options, channel, stub)
+        view.registered_at = received
         with self._cond:
             old = self.plugins.get(name)
             self.plugins[name] = view
-            self.registrations.append((time.monotonic(), name, request.endpoint))
+            self.registrations.append((received, name, request.endpoint))
             self._cond.notify_all()
         if old is not None:
             old.channel.close()  # the newer registration replaces the older client

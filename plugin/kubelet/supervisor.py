@@ -124,6 +124,9 @@ class Supervisor:
         self._thread: threading.Thread | None = None
         self.registered_event = threading.Event()  # set after every successful round of registration
         self._registered_with: tuple[int, int] | None = None
+        # Endpoints registered in the current round. With several resources, a retry after one failed must not
+        # register the others again: the kubelet would see a second plugin on the same socket.
+        self._round_done: set[str] = set()
 
     def current_endpoints(self) -> set[str]:
         with self._lock:
@@ -170,6 +173,7 @@ class Supervisor:
                 log.info("(re)starting device plugin servers: %s", reason)
                 self.record.registered = False
                 self.registered_event.clear()
+                self._round_done = set()
                 self._replace_servers()
                 backoff = self.backoff_initial_s
             if not self.record.registered and self.servers:
@@ -208,6 +212,8 @@ class Supervisor:
         kubelet_socket = self.plugin_dir / KUBELET_SOCKET
         ident = self._kubelet_identity()
         for server in list(self.servers):
+            if server.endpoint in self._round_done:
+                continue
             try:
                 register(kubelet_socket, server, self.options)
             except (grpc.RpcError, OSError) as exc:
@@ -217,6 +223,7 @@ class Supervisor:
                     log.warning("registration of %s failed, retrying with backoff: %s", server.resource.name, why)
                 self.record.last_error = str(why)
                 return False
+            self._round_done.add(server.endpoint)
             log.info("registered %s with the kubelet (endpoint %s)", server.resource.name, server.endpoint)
         self._registered_with = ident
         self.record.registered = True

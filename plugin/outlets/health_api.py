@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent import futures
 from pathlib import Path
 
@@ -29,8 +29,9 @@ def status_pb(d: DeviceStatus) -> health_pb2.DeviceStatus:
                                    name=d.mig.profile if d.mig else d.gpu.name)
 
 
-def snapshot_pb(snap: Snapshot) -> health_pb2.ListResponse:
-    return health_pb2.ListResponse(devices=[status_pb(d) for d in snap.devices], seq=snap.seq)
+def snapshot_pb(snap: Snapshot, outlet_errors: Mapping[str, str] | None = None) -> health_pb2.ListResponse:
+    return health_pb2.ListResponse(devices=[status_pb(d) for d in snap.devices], seq=snap.seq,
+                                   outlet_errors=dict(outlet_errors or {}))
 
 
 def transition_pb(t: Transition) -> health_pb2.Transition:
@@ -42,13 +43,15 @@ class HealthServicer(health_pb2_grpc.DeviceHealthServicer):
     def __init__(self, state: NodeState) -> None:
         self.state = state
         self.closed = threading.Event()
+        # Set by App: failing outlets (e.g. the API-server writer) by name, shown in List and Watch snapshots.
+        self.outlet_errors: Callable[[], Mapping[str, str]] = dict
 
     def close(self) -> None:
         self.closed.set()
         self.state.poke()
 
     def List(self, request: health_pb2.ListRequest, context: grpc.ServicerContext) -> health_pb2.ListResponse:
-        return snapshot_pb(self.state.snapshot())
+        return snapshot_pb(self.state.snapshot(), self.outlet_errors())
 
     def Watch(self, request: health_pb2.WatchRequest,
               context: grpc.ServicerContext) -> Iterator[health_pb2.WatchEvent]:
@@ -64,7 +67,7 @@ class HealthServicer(health_pb2_grpc.DeviceHealthServicer):
         missed = self.state.transitions_since(seq) if seq > 0 else None
         if missed is None:
             # A fresh client, or one whose resume point fell out of the bounded history: start from a snapshot.
-            yield health_pb2.WatchEvent(snapshot=snapshot_pb(snap), resync=seq > 0)
+            yield health_pb2.WatchEvent(snapshot=snapshot_pb(snap, self.outlet_errors()), resync=seq > 0)
             seq = snap.seq
         else:
             for t in missed:
@@ -78,7 +81,7 @@ class HealthServicer(health_pb2_grpc.DeviceHealthServicer):
             version = snap.version
             news = self.state.transitions_since(seq)
             if news is None:  # this client fell behind the history: hand it a fresh snapshot
-                yield health_pb2.WatchEvent(snapshot=snapshot_pb(snap), resync=True)
+                yield health_pb2.WatchEvent(snapshot=snapshot_pb(snap, self.outlet_errors()), resync=True)
                 seq = snap.seq
                 continue
             for t in news:

@@ -127,6 +127,15 @@ def test_kubelet_peer(pin: KubeletPin, target: str) -> None:
         "plugin_restart",
         "concurrent_allocate",
         "shutdown",
+        # Derived devices (kubelet/sharing.go): time-slicing replicas and a mixed-MIG node with three resources.
+        "shared_registration",
+        "shared_fault",
+        "shared_allocate",
+        "shared_preferred",
+        "mig_registration",
+        "mig_instance_fault",
+        "mig_allocate",
+        "mig_kubelet_restart",
     ):
         assert scenario in names, f"scenario {scenario} missing\n" + report
     if target == "plugin":

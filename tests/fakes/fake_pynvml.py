@@ -5,6 +5,7 @@ code runs unchanged against it."""
 from __future__ import annotations
 
 import queue
+from collections import deque
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -88,7 +89,7 @@ class FakeNvml:
         self.topology = topology or {}
         self.init_error = init_error
         self.fail: dict[tuple[str, str | None], str] = {}
-        self.calls: list[str] = []
+        self.calls: deque[str] = deque(maxlen=1000)  # recent calls only: benchmarks make millions
         self.events: queue.SimpleQueue[SimpleNamespace] = queue.SimpleQueue()
         self.registered: dict[str, int] = {}
         self.c_nvmlGpuFabricInfo_v3_t = FakeFabricInfo

@@ -37,6 +37,7 @@ class Env:
 
 
 def make_config(root: Path, node: NodeFile, dev_root: Path, **extra: object) -> Config:
+    extra.setdefault("metrics_address", "off")  # the metrics tests bind their own ephemeral port
     return Config(backend="simulated", simulated_node=node.path, device_plugin_dir=root / "dp",
                   state_dir=root / "state", dev_root=dev_root, poll_interval=0.1,
                   health=HealthConfig(clear_after_polls=2), **extra)  # type: ignore[arg-type]

@@ -61,6 +61,23 @@ def test_sigterm_ends_streams_removes_sockets_and_exits_0(short_socket_dir: Path
     assert "effective config" in out and "stopped" in out
 
 
+def test_json_logs_carry_the_effective_config(short_socket_dir: Path, kubelet: KubeletStandin) -> None:
+    import json
+
+    NodeFile(short_socket_dir / "node.json")
+    proc = start_plugin(short_socket_dir, "--log-format", "json", "--log-level", "info")
+    try:
+        assert kubelet.wait_for(lambda: kubelet.capacity() == (8, 8), 30)
+    finally:
+        rc, _, out = stop(proc)
+    assert rc == 0
+    lines = [json.loads(line) for line in out.splitlines() if line.strip()]
+    assert all({"time", "level", "logger", "msg"} <= set(line) for line in lines)
+    first = next(line for line in lines if line["msg"].startswith("effective config"))
+    effective = json.loads(first["msg"].split(":", 1)[1])
+    assert effective["backend"] == "simulated" and effective["poll_interval"] == 0.1
+
+
 def test_latched_fault_survives_a_plugin_restart(short_socket_dir: Path, kubelet: KubeletStandin) -> None:
     node = NodeFile(short_socket_dir / "node.json")
     proc = start_plugin(short_socket_dir)

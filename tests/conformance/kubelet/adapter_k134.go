@@ -12,7 +12,7 @@ import (
 
 const adapterName = "k134: no contextual logging, clients keyed by resource"
 
-type clientHandler struct{ rec *recorder }
+type clientHandler struct{ rec sink }
 
 func (h clientHandler) PluginConnected(resource string, p dm.DevicePlugin) error {
 	return h.rec.connected(baseContext(), resource, p)
@@ -40,7 +40,7 @@ var (
 
 type kubeletServer struct{ s dm.Server }
 
-func newKubeletServer(socket string, rec *recorder) (*kubeletServer, error) {
+func newKubeletServer(socket string, rec sink) (*kubeletServer, error) {
 	s, err := dm.NewServer(socket, registrationHandler{}, clientHandler{rec})
 	if err != nil {
 		return nil, err

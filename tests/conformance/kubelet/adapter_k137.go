@@ -16,7 +16,7 @@ import (
 
 const adapterName = "k137: contextual logging, clients keyed by resource and socket"
 
-type clientHandler struct{ rec *recorder }
+type clientHandler struct{ rec sink }
 
 func (h clientHandler) PluginConnected(ctx context.Context, resource string, p dm.DevicePlugin) error {
 	return h.rec.connected(ctx, resource, p)
@@ -44,7 +44,7 @@ var (
 
 type kubeletServer struct{ s dm.Server }
 
-func newKubeletServer(socket string, rec *recorder) (*kubeletServer, error) {
+func newKubeletServer(socket string, rec sink) (*kubeletServer, error) {
 	s, err := dm.NewServer(klog.Background(), socket, registrationHandler{}, clientHandler{rec})
 	if err != nil {
 		return nil, err

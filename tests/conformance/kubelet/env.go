@@ -48,6 +48,10 @@ type env struct {
 	gpus        []gpu
 	rec         *recorder
 	kubelet     *kubeletServer
+	// handler, when set, receives the kubelet code's callbacks instead of rec (several resources).
+	handler sink
+	// extraArgs are appended to the plugin's command line for this node only (e.g. --config).
+	extraArgs []string
 }
 
 func newEnv(cfg *config, label string) (*env, error) {
@@ -84,7 +88,11 @@ func newEnv(cfg *config, label string) (*env, error) {
 // startKubelet creates and starts a new registration server, as a (re)starting kubelet does;
 // Start wipes the sockets in the plugin directory through the registration handler.
 func (e *env) startKubelet() error {
-	s, err := newKubeletServer(e.kubeletSock, e.rec)
+	var h sink = e.rec
+	if e.handler != nil {
+		h = e.handler
+	}
+	s, err := newKubeletServer(e.kubeletSock, h)
 	if err != nil {
 		return fmt.Errorf("NewServer: %w", err)
 	}

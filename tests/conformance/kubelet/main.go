@@ -186,6 +186,10 @@ func runConformance(cfg *config) int {
 		}
 		t.cleanup()
 		e.close()
+		runSharingScenarios(cfg, rep, t, func(t target, e *env) {
+			live = append(live, t)
+			envs = append(envs, e)
+		})
 	}
 	if rep.skip > 0 {
 		fmt.Printf("# %d not applicable\n", rep.skip)

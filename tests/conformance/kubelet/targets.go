@@ -58,6 +58,7 @@ func (p *pythonPlugin) argv(e *env) []string {
 		"--poll-interval", p.cfg.pollInterval,
 		"--log-level", p.cfg.pluginLogLevel,
 	}
+	args = append(args, e.extraArgs...)
 	return append(args, p.cfg.pluginExtraArgs...)
 }
 

@@ -19,6 +19,16 @@ type gpu struct {
 	NVLinkPeers []int          `json:"nvlink_peers"`
 	PCIeSwitch  string         `json:"pcie_switch"`
 	Signals     map[string]any `json:"signals"`
+	MigDevices  []migDevice    `json:"mig_devices,omitempty"`
+}
+
+// migDevice is one MIG slice of a GPU in the simulated node file.
+type migDevice struct {
+	UUID              string `json:"uuid"`
+	GPUInstanceID     int    `json:"gpu_instance_id"`
+	ComputeInstanceID int    `json:"compute_instance_id"`
+	Profile           string `json:"profile"`
+	MemoryMiB         int    `json:"memory_mib"`
 }
 
 type nodeFile struct {

@@ -1,0 +1,298 @@
+"""Node annotations: what the node state should look like on the Node object, as pure functions.
+
+No I/O and no clock: the writer (``kube.py``) hands in a snapshot and the last transition of each device and gets
+back the annotations we want, then the merge patch that turns what the server has into that. The schema is
+documented in ``docs/annotations.md``; bump ``SCHEMA_VERSION`` on any incompatible change.
+
+Keys (``<prefix>`` is ``gpu-health.io`` by default):
+
+- ``<prefix>/schema``: the schema version.
+- ``<prefix>/state``: the worst device state on the node (one word, for ``kubectl get -o custom-columns``).
+- ``<prefix>/summary``: one readable line: counts per state and the worst devices with their top reason.
+- ``<prefix>/gpu.<index>`` and ``<prefix>/gpu.<index>.mig.<gi>.<ci>``: one compact JSON value per device. Key names
+  must fit 63 characters, which a GPU UUID after ``gpu.`` does not, so the key uses the index and the value carries
+  the UUID. A device whose key would clash or not fit gets ``dev.<16 hex digits of sha256(id)>``.
+- ``<prefix>/truncated``: present only when the size cap dropped device entries.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from plugin.health.state import ABSENT, DeviceStatus, Snapshot, Transition
+from plugin.health.states import ACTIONS, Reason, State
+
+SCHEMA_VERSION = "v1"
+DEFAULT_PREFIX = "gpu-health.io"
+DEFAULT_MAX_BYTES = 65536
+API_LIMIT_BYTES = 256 * 1024  # the API server's limit on all annotations of an object together
+
+MESSAGE_MAX = 96  # characters of a reason message kept in a device value
+SUMMARY_WORST = 3  # devices named in the summary line
+
+SCHEMA_KEY = "schema"
+STATE_KEY = "state"
+SUMMARY_KEY = "summary"
+TRUNCATED_KEY = "truncated"
+FIXED_KEYS = (SCHEMA_KEY, STATE_KEY, SUMMARY_KEY, TRUNCATED_KEY)
+
+_DEVICE_NAME_RE = re.compile(r"^(gpu\.\d+(\.mig\.\d+\.\d+)?|dev\.[0-9a-f]{16})$")
+_DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_DNS_SUBDOMAIN_RE = re.compile(rf"^{_DNS_LABEL}(\.{_DNS_LABEL})*$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+
+
+def check_prefix(prefix: str) -> str:
+    """The annotation prefix must be a DNS subdomain the project owns: never a Kubernetes-reserved one."""
+    if not prefix or len(prefix) > 253 or not _DNS_SUBDOMAIN_RE.match(prefix):
+        raise ValueError(f"expected a DNS subdomain (lower-case, dot-separated, at most 253 chars), got {prefix!r}")
+    for reserved in ("kubernetes.io", "k8s.io"):
+        if prefix == reserved or prefix.endswith("." + reserved):
+            raise ValueError(f"{prefix!r} is reserved for Kubernetes itself; use a domain you own")
+    return prefix
+
+
+def check_node_name(name: str) -> str:
+    """A node name is a DNS subdomain; the empty string means "unknown" (reporting off)."""
+    if name and (len(name) > 253 or not _DNS_SUBDOMAIN_RE.match(name)):
+        raise ValueError(f"expected a node name (a lower-case DNS subdomain), got {name!r}")
+    return name
+
+
+def rfc3339(t: float) -> str:
+    return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def device_name(d: DeviceStatus) -> str:
+    """The readable part of a device's key: ``gpu.3`` or ``gpu.3.mig.1.0``."""
+    if d.mig is not None:
+        return f"gpu.{d.gpu.index}.mig.{d.mig.gpu_instance_id}.{d.mig.compute_instance_id}"
+    return f"gpu.{d.gpu.index}"
+
+
+def hashed_name(device_id: str) -> str:
+    return "dev." + hashlib.sha256(device_id.encode()).hexdigest()[:16]
+
+
+def device_names(devices: Iterable[DeviceStatus]) -> dict[str, str]:
+    """Device id -> key name. Index-based names are stable across restarts and readable; where two devices
+    would share one (a broken discovery, a negative index) both fall back to a hash of their id."""
+    devs = list(devices)
+    wanted = {d.id: device_name(d) for d in devs}
+    counts: dict[str, int] = {}
+    for name in wanted.values():
+        counts[name] = counts.get(name, 0) + 1
+    out: dict[str, str] = {}
+    for dev_id, name in wanted.items():
+        ok = counts[name] == 1 and _NAME_RE.match(name) and len(name) <= 63 and _DEVICE_NAME_RE.match(name)
+        out[dev_id] = name if ok else hashed_name(dev_id)
+    return out
+
+
+def is_our_key(key: str, prefix: str) -> bool:
+    """Keys this outlet owns and may change or remove. Other keys under the prefix (set by hand or by another
+    tool) are left alone, as is everything outside it."""
+    if not key.startswith(prefix + "/"):
+        return False
+    name = key[len(prefix) + 1:]
+    return name in FIXED_KEYS or bool(_DEVICE_NAME_RE.match(name))
+
+
+def _short(message: str) -> str:
+    message = " ".join(message.split())
+    return message if len(message) <= MESSAGE_MAX else message[:MESSAGE_MAX - 3] + "..."
+
+
+def _reason_order(r: Reason) -> tuple[int, int, str]:
+    action = ACTIONS.index(r.action) if r.action in ACTIONS else 0
+    return (-r.severity.rank, -action, r.code)
+
+
+def top_reasons(reasons: Iterable[Reason]) -> list[Reason]:
+    """Worst first: severity, then the heavier action, then code (stable output for equal reasons)."""
+    return sorted(reasons, key=_reason_order)
+
+
+def recommended_action(reasons: Iterable[Reason]) -> str:
+    ordered = top_reasons(reasons)
+    return ordered[0].action if ordered else "none"
+
+
+def last_transitions(history: Iterable[Transition]) -> dict[str, Transition]:
+    """The latest real transition of each device. A device appearing (from Absent, e.g. at every plugin start)
+    is not one: counting it would rewrite every key after each restart for no news."""
+    out: dict[str, Transition] = {}
+    for t in history:
+        if t.from_state != ABSENT and t.to_state != ABSENT:
+            out[t.id] = t
+    return out
+
+
+def device_value(d: DeviceStatus, last: Transition | None, minimal: bool = False) -> str:
+    """Compact JSON for one device. ``minimal`` drops the reason messages (the first step of truncation)."""
+    reasons = top_reasons(d.reasons)
+    doc: dict[str, object] = {"id": d.id, "state": d.state.value}
+    if d.mig is not None:
+        doc["parent"] = d.gpu.uuid
+        doc["profile"] = d.mig.profile
+    doc["action"] = recommended_action(reasons)
+    doc["since"] = rfc3339(d.since)
+    if last is not None:
+        doc["lastTransition"] = rfc3339(last.time)
+        doc["from"] = last.from_state
+    if minimal:
+        doc["reasons"] = [{"code": r.code} for r in reasons]
+    else:
+        doc["reasons"] = [{"code": r.code, "message": _short(r.message), "action": r.action} for r in reasons]
+    return json.dumps(doc, separators=(",", ":"), sort_keys=False)
+
+
+def node_state(snapshot: Snapshot) -> State:
+    if not snapshot.devices:
+        return State.UNKNOWN if snapshot.backend_error else State.HEALTHY
+    return State.worst(*(d.state for d in snapshot.devices))
+
+
+def _severity_order(d: DeviceStatus, name: str) -> tuple[int, str]:
+    return (-d.state.rank, name)
+
+
+def summary_line(snapshot: Snapshot, names: Mapping[str, str]) -> str:
+    """``Unhealthy: 8 devices (6 Healthy, 1 Degraded, 1 Unhealthy); gpu.3 Unhealthy xid-79 (reboot-node), ...``"""
+    counts: dict[State, int] = {}
+    for d in snapshot.devices:
+        counts[d.state] = counts.get(d.state, 0) + 1
+    parts = ", ".join(f"{counts[s]} {s.value}" for s in sorted(counts, key=lambda s: s.rank))
+    n = len(snapshot.devices)
+    line = f"{node_state(snapshot).value}: {n} device{'' if n == 1 else 's'}"
+    if parts:
+        line += f" ({parts})"
+    bad = sorted((d for d in snapshot.devices if d.state is not State.HEALTHY),
+                 key=lambda d: _severity_order(d, names[d.id]))
+    worst = []
+    for d in bad[:SUMMARY_WORST]:
+        top = top_reasons(d.reasons)
+        why = f" {top[0].code} ({top[0].action})" if top else ""
+        worst.append(f"{names[d.id]} {d.state.value}{why}")
+    if len(bad) > SUMMARY_WORST:
+        worst.append(f"+{len(bad) - SUMMARY_WORST} more")
+    if worst:
+        line += "; " + ", ".join(worst)
+    if snapshot.backend_error:
+        line += f"; backend error: {_short(snapshot.backend_error)}"
+    return line
+
+
+def size_of(annotations: Mapping[str, str]) -> int:
+    """Bytes as the API server counts them against its limit: keys plus values."""
+    return sum(len(k.encode()) + len(v.encode()) for k, v in annotations.items())
+
+
+@dataclass(frozen=True)
+class Desired:
+    annotations: dict[str, str]
+    truncated: int  # device entries dropped by the size cap
+
+
+def desired_annotations(snapshot: Snapshot, last: Mapping[str, Transition], prefix: str = DEFAULT_PREFIX,
+                        max_bytes: int = DEFAULT_MAX_BYTES) -> Desired:
+    """The annotations this node should carry under ``prefix``. Deterministic: the same snapshot and last
+    transitions give the same strings, so "nothing changed" is a dict comparison and never a write.
+
+    Over ``max_bytes`` the messages go first, then device entries, healthiest first; the fixed keys stay (the
+    summary still counts every device) and ``<prefix>/truncated`` says how many entries were dropped."""
+    names = device_names(snapshot.devices)
+    fixed = {
+        f"{prefix}/{SCHEMA_KEY}": SCHEMA_VERSION,
+        f"{prefix}/{STATE_KEY}": node_state(snapshot).value,
+        f"{prefix}/{SUMMARY_KEY}": summary_line(snapshot, names),
+    }
+    devices = {f"{prefix}/{names[d.id]}": device_value(d, last.get(d.id)) for d in snapshot.devices}
+    full = {**fixed, **devices}
+    if size_of(full) <= max_bytes:
+        return Desired(full, 0)
+    devices = {f"{prefix}/{names[d.id]}": device_value(d, last.get(d.id), minimal=True) for d in snapshot.devices}
+    full = {**fixed, **devices}
+    if size_of(full) <= max_bytes:
+        return Desired(full, 0)
+    # Keep the worst devices; a marker with room for any count is reserved before choosing.
+    marker_key = f"{prefix}/{TRUNCATED_KEY}"
+    budget = max_bytes - size_of(fixed) - len(marker_key) - len(_marker(len(devices), max_bytes))
+    kept: dict[str, str] = {}
+    for d in sorted(snapshot.devices, key=lambda d: _severity_order(d, names[d.id])):
+        key = f"{prefix}/{names[d.id]}"
+        cost = len(key.encode()) + len(devices[key].encode())
+        if cost <= budget:
+            kept[key] = devices[key]
+            budget -= cost
+    dropped = len(devices) - len(kept)
+    return Desired({**fixed, **dict(sorted(kept.items())), marker_key: _marker(dropped, max_bytes)}, dropped)
+
+
+def _marker(dropped: int, max_bytes: int) -> str:
+    return f"{dropped} device entries omitted: over the {max_bytes}-byte cap (annotation_max_bytes)"
+
+
+def merge_patch(current: Mapping[str, str], desired: Mapping[str, str], prefix: str) -> dict[str, str | None]:
+    """The ``metadata.annotations`` part of a JSON merge patch taking ``current`` (the node's annotations, all of
+    them) to ``desired`` for our keys: changed or new keys with their value, our keys no longer wanted with null.
+    Keys not ours are never in the patch, so nothing else on the node can be touched."""
+    patch: dict[str, str | None] = {}
+    for k, v in desired.items():
+        if current.get(k) != v:
+            patch[k] = v
+    for k in current:
+        if k not in desired and is_our_key(k, prefix):
+            patch[k] = None
+    return patch
+
+
+def ours(annotations: Mapping[str, str], prefix: str) -> dict[str, str]:
+    return {k: v for k, v in annotations.items() if is_our_key(k, prefix)}
+
+
+# Reading (the kubectl plugin, tests) ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DeviceEntry:
+    node: str
+    key: str  # the name after the prefix, e.g. gpu.3
+    id: str
+    state: str
+    action: str
+    since: str
+    last_transition: str
+    reasons: tuple[dict[str, str], ...]
+    profile: str = ""
+
+
+def parse_node(node_name: str, annotations: Mapping[str, str], prefix: str = DEFAULT_PREFIX) -> list[DeviceEntry]:
+    """Device entries from a node's annotations. Values that are not our JSON are skipped, not fatal: an operator
+    may have edited one by hand, and the next resync repairs it."""
+    out: list[DeviceEntry] = []
+    for k, v in annotations.items():
+        if not is_our_key(k, prefix) or k[len(prefix) + 1:] in FIXED_KEYS:
+            continue
+        try:
+            doc = json.loads(v)
+        except ValueError:
+            continue
+        if not isinstance(doc, dict) or not isinstance(doc.get("state"), str):
+            continue
+        reasons = tuple({str(a): str(b) for a, b in r.items()} for r in doc.get("reasons", [])
+                        if isinstance(r, dict))
+        out.append(DeviceEntry(node=node_name, key=k[len(prefix) + 1:], id=str(doc.get("id", "")),
+                               state=doc["state"], action=str(doc.get("action", "")),
+                               since=str(doc.get("since", "")), last_transition=str(doc.get("lastTransition", "")),
+                               reasons=reasons, profile=str(doc.get("profile", ""))))
+    return sorted(out, key=lambda e: _natural(e.key))
+
+
+def _natural(key: str) -> tuple[tuple[int, int, str], ...]:
+    """gpu.2 before gpu.10."""
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in key.split("."))

@@ -1,0 +1,84 @@
+"""The node condition (opt-in): pure functions from a snapshot to the condition we want on the Node.
+
+``status`` is ``False`` while any device is Unhealthy (the condition says "GPUs are healthy"), ``Unknown`` while none
+is Unhealthy but some device's state is Unknown, ``True`` otherwise. Times are left to the writer: a condition's
+``lastTransitionTime`` changes only when its status does, and nothing here depends on the clock, so an unchanged
+node never causes a write.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from plugin.health.state import Snapshot
+from plugin.health.states import State
+from plugin.outlets.annotations import device_names, rfc3339, top_reasons
+
+MESSAGE_MAX = 1024
+_TYPE_RE = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+
+
+def check_condition_type(v: str) -> str:
+    name = v.rsplit("/", 1)[-1]
+    if not _TYPE_RE.match(v) or len(name) > 63 or len(v) > 316:
+        raise ValueError(f"expected a condition type like GPUHealthy (a qualified name), got {v!r}")
+    if v in ("Ready", "MemoryPressure", "DiskPressure", "PIDPressure", "NetworkUnavailable"):
+        raise ValueError(f"{v!r} belongs to the kubelet or the cloud provider; pick a type of our own")
+    return v
+
+
+@dataclass(frozen=True)
+class DesiredCondition:
+    type: str
+    status: str  # "True", "False", "Unknown"
+    reason: str
+    message: str
+
+    def same_as(self, current: Mapping[str, Any] | None) -> bool:
+        return current is not None and all(current.get(k) == getattr(self, k)
+                                           for k in ("type", "status", "reason", "message"))
+
+    def to_patch_item(self, current: Mapping[str, Any] | None, now: float) -> dict[str, str]:
+        """The condition as written. ``lastTransitionTime`` is kept from the node while the status is the same;
+        the heartbeat is only moved when we write (a periodic heartbeat would be a write per period per node)."""
+        keep = current is not None and current.get("status") == self.status and current.get("lastTransitionTime")
+        transition = str(current["lastTransitionTime"]) if keep and current is not None else rfc3339(now)
+        return {"type": self.type, "status": self.status, "reason": self.reason, "message": self.message,
+                "lastHeartbeatTime": rfc3339(now), "lastTransitionTime": transition}
+
+
+def desired_condition(snapshot: Snapshot, ctype: str) -> DesiredCondition:
+    names = device_names(snapshot.devices)
+    unhealthy = [d for d in snapshot.devices if d.state is State.UNHEALTHY]
+    unknown = [d for d in snapshot.devices if d.state is State.UNKNOWN]
+    n = len(snapshot.devices)
+    if unhealthy:
+        status, reason, bad = "False", "GPUUnhealthy", unhealthy
+        head = f"{len(unhealthy)} of {n} GPU devices Unhealthy"
+    elif unknown or (not snapshot.devices and snapshot.backend_error):
+        status, reason, bad = "Unknown", "GPUStateUnknown", unknown
+        head = f"{len(unknown)} of {n} GPU devices in an unknown state"
+        if snapshot.backend_error:
+            head += f"; backend error: {snapshot.backend_error}"
+    else:
+        degraded = sum(1 for d in snapshot.devices if d.state is State.DEGRADED)
+        status, reason, bad = "True", "GPUsHealthy", []
+        head = f"no Unhealthy GPU devices ({n} devices, {degraded} Degraded)"
+    parts = []
+    for d in sorted(bad, key=lambda d: names[d.id]):
+        codes = ", ".join(r.code for r in top_reasons(d.reasons)) or "no reason given"
+        parts.append(f"{names[d.id]} ({d.id}): {codes}")
+    message = head + (": " + "; ".join(parts) if parts else "")
+    if len(message) > MESSAGE_MAX:
+        message = message[:MESSAGE_MAX - 3] + "..."
+    return DesiredCondition(ctype, status, reason, message)
+
+
+def find_condition(conditions: list[dict[str, Any]] | None, ctype: str) -> dict[str, Any] | None:
+    for c in conditions or []:
+        if c.get("type") == ctype:
+            return c
+    return None

@@ -1,0 +1,466 @@
+"""Workload correlation: when a device turns bad, tell the pods that hold it, and optionally move them.
+
+The kubelet does not connect a device's health with the containers using it, so a job on a failed GPU crash-loops
+there. This outlet closes the gap. On a transition into one of the configured states (``--correlate-on``, Unhealthy
+by default) it asks the kubelet's PodResources API which pods and containers hold the device, then for each pod:
+
+- posts a Warning Event on the pod naming the device, its state and reason (always);
+- merge-patches an annotation onto the pod listing its failing devices (``--annotate-pods``);
+- asks the eviction API to evict it (``--remediate=evict``), so its controller reschedules it on a healthy GPU.
+  Evictions honour PodDisruptionBudgets: the API server answers 429 when a budget forbids one; the pod is then
+  retried with back-off for as long as its device stays bad, and never deleted around the budget.
+
+It reads transitions from the node state in its own thread and never computes health. Every action happens at most
+once per (pod, device, state); the kubelet path never waits on any of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import grpc
+
+from api.podresources.v1 import api_pb2 as pr_pb2
+from api.podresources.v1 import api_pb2_grpc as pr_grpc
+from plugin.health.state import NodeState, Snapshot, Transition
+from plugin.kubelet.resources import Resource
+from plugin.outlets.kube import ApiFailure, LightkubeApi
+
+log = logging.getLogger(__name__)
+
+COMPONENT = "gpu-health-device-plugin"
+MESSAGE_MAX = 1024
+ANNOTATION = "failing-devices"  # under the configured prefix: gpu-health.io/failing-devices
+
+
+# PodResources -------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Holding:
+    """One device held by one container, as the kubelet's PodResources API reports it."""
+
+    namespace: str
+    pod: str
+    container: str
+    resource: str
+    device_id: str  # the ID the device plugin advertised (a GPU UUID, a MIG UUID, a replica ID)
+
+
+class PodResourcesError(Exception):
+    pass
+
+
+class PodLister(Protocol):
+    def list(self) -> list[Holding]: ...
+    def close(self) -> None: ...
+
+
+class PodResourcesClient:
+    """The kubelet's ``v1.PodResourcesLister`` over its unix socket. The channel is opened on first use and
+    reused; gRPC reconnects by itself after a kubelet restart."""
+
+    def __init__(self, socket_path: Path, timeout_s: float = 5.0) -> None:
+        self.socket_path = socket_path
+        self.timeout_s = timeout_s
+        self._channel: grpc.Channel | None = None
+        self._stub: pr_grpc.PodResourcesListerStub | None = None
+
+    def list(self) -> list[Holding]:
+        if self._stub is None:
+            if not self.socket_path.exists():
+                raise PodResourcesError(f"{self.socket_path} does not exist (is the PodResources API enabled and "
+                                        "the kubelet's pod-resources directory mounted?)")
+            self._channel = grpc.insecure_channel(f"unix://{self.socket_path}")
+            self._stub = pr_grpc.PodResourcesListerStub(self._channel)
+        try:
+            resp = self._stub.List(pr_pb2.ListPodResourcesRequest(), timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            raise PodResourcesError(f"List on {self.socket_path}: {exc.code().name}: {exc.details()}") from None
+        return holdings(resp)
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = self._stub = None
+
+
+def holdings(resp: pr_pb2.ListPodResourcesResponse) -> list[Holding]:
+    out: list[Holding] = []
+    for pod in resp.pod_resources:
+        for c in pod.containers:
+            for d in c.devices:
+                out.extend(Holding(pod.namespace, pod.name, c.name, d.resource_name, i) for i in d.device_ids)
+    return out
+
+
+# The Kubernetes side --------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PodView:
+    uid: str
+    node_name: str
+
+
+class PodApi(Protocol):
+    def get_pod(self, namespace: str, name: str) -> PodView: ...
+    def create_event(self, namespace: str, body: Mapping[str, Any]) -> str: ...
+    def patch_pod_annotations(self, namespace: str, name: str, annotations: Mapping[str, str | None]) -> None: ...
+    def evict_pod(self, namespace: str, name: str, uid: str) -> None: ...
+    def close(self) -> None: ...
+
+
+class LightkubePodApi(LightkubeApi):
+    """The cluster reporter's client (same construction, same error mapping to :class:`ApiFailure`) with the pod
+    calls this outlet needs."""
+
+    def get_pod(self, namespace: str, name: str) -> PodView:
+        from lightkube.resources.core_v1 import Pod
+        pod = self._call(lambda: self._client.get(Pod, name, namespace=namespace))
+        return PodView(uid=pod.metadata.uid or "", node_name=(pod.spec.nodeName or "") if pod.spec else "")
+
+    def patch_pod_annotations(self, namespace: str, name: str, annotations: Mapping[str, str | None]) -> None:
+        from lightkube.resources.core_v1 import Pod
+        from lightkube.types import PatchType
+        body = {"metadata": {"annotations": dict(annotations)}}
+        self._call(lambda: self._client.patch(Pod, name, body, namespace=namespace, patch_type=PatchType.MERGE))
+
+    def evict_pod(self, namespace: str, name: str, uid: str) -> None:
+        from lightkube.models.meta_v1 import DeleteOptions, ObjectMeta, Preconditions
+        from lightkube.resources.core_v1 import Pod
+        # The UID precondition: never evict a new pod that took the old one's name after our lookup.
+        opts = DeleteOptions(preconditions=Preconditions(uid=uid)) if uid else None
+        body = Pod.Eviction(metadata=ObjectMeta(name=name, namespace=namespace), deleteOptions=opts)
+        self._call(lambda: self._client.create(body, name=name, namespace=namespace))
+
+
+# The outlet -------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CorrelationSettings:
+    states: frozenset[str]
+    resources: tuple[Resource, ...]
+    node_name: str = ""
+    annotate: bool = False
+    evict: bool = False
+    annotation_prefix: str = "gpu-health.io"
+    evict_retry_initial_s: float = 5.0
+    evict_retry_max_s: float = 300.0
+    lookup_retry_initial_s: float = 1.0
+    lookup_retry_max_s: float = 60.0
+
+
+@dataclass
+class CorrelationStats:
+    """Counters for metrics; plain ints written by the outlet's thread only."""
+
+    lookups: int = 0
+    lookup_failures: int = 0
+    events_posted: int = 0
+    event_failures: int = 0
+    annotations: int = 0
+    annotation_failures: int = 0
+    evictions_evicted: int = 0
+    evictions_blocked: int = 0  # 429: a PodDisruptionBudget does not allow it now
+    evictions_failed: int = 0
+    last_error: str = ""
+
+
+@dataclass
+class Affected:
+    """One pod on failing devices, with what we know about each device."""
+
+    namespace: str
+    pod: str
+    containers: dict[str, list[str]] = field(default_factory=dict)  # device id -> containers
+    transitions: dict[str, Transition] = field(default_factory=dict)  # device id -> the transition
+
+
+@dataclass
+class _Eviction:
+    namespace: str
+    pod: str
+    uid: str
+    devices: tuple[str, ...]
+    attempts: int = 0
+    next_at: float = 0.0
+
+
+class Correlator:
+    def __init__(self, state: NodeState, settings: CorrelationSettings, lister: PodLister,
+                 api_factory: Callable[[], PodApi], clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
+        self.state = state
+        self.settings = settings
+        self.lister = lister
+        self._api_factory = api_factory
+        self._api: PodApi | None = None
+        self._clock = clock
+        self._wall = wall
+        self.stats = CorrelationStats()
+        self._seq = state.snapshot().seq
+        self._version = -1
+        self._pending: dict[str, Transition] = {}  # device id -> transition not yet matched to pods
+        self._lookup_failures = 0
+        self._lookup_at = 0.0
+        self._done: OrderedDict[tuple[str, str, str, str], None] = OrderedDict()  # (ns, pod, device, state)
+        self._evictions: dict[tuple[str, str], _Eviction] = {}
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._logged: set[str] = set()
+
+    # Thread -----------------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="correlation", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._stopping.set()
+        self.state.poke()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        for closer in (self.lister.close, self._api.close if self._api is not None else None):
+            if closer is not None:
+                try:
+                    closer()
+                except Exception:  # a broken connection must not fail the shutdown
+                    pass
+
+    def _run(self) -> None:
+        while not self._stopping.is_set() and not self.state.closed:
+            try:
+                next_at = self.step(self._clock())
+            except Exception:
+                log.exception("pod correlation: unexpected error; retrying in 5s")
+                next_at = self._clock() + 5.0
+            wait = max(0.0, min(next_at - self._clock(), 3600.0))
+            self.state.wait_for_change(self._version, wait, abort=self._stopping.is_set)
+
+    # One step ---------------------------------------------------------------------------------------------------
+
+    def step(self, now: float) -> float:
+        """Take new transitions, act on what is due; return when to be called again (sooner on a change)."""
+        snap = self.state.snapshot()
+        if snap.version != self._version:
+            self._version = snap.version
+            self._take(snap)
+        self._drop_recovered(snap)
+        if self._pending and now >= self._lookup_at:
+            self._correlate(snap, now)
+        self._retry_evictions(snap, now)
+        deadlines = [float("inf")]
+        if self._pending:
+            deadlines.append(self._lookup_at)
+        deadlines += [e.next_at for e in self._evictions.values()]
+        return min(deadlines)
+
+    def _take(self, snap: Snapshot) -> None:
+        news = self.state.transitions_since(self._seq)
+        if news is None:
+            # Fell behind the bounded history: act on the devices that are bad now rather than guess what we missed.
+            log.warning("pod correlation fell behind the transition history; re-checking every failing device")
+            news = [Transition(snap.seq, d.id, "", d.state.value, d.reasons, d.since) for d in snap.devices]
+        self._seq = snap.seq
+        for t in news:
+            if t.to_state in self.settings.states:
+                self._pending[t.id] = t
+            else:
+                self._pending.pop(t.id, None)
+                # Recovered (or gone): a later failure of this device is news again for the pods on it.
+                for key in [k for k in self._done if k[2] == t.id]:
+                    del self._done[key]
+
+    def _drop_recovered(self, snap: Snapshot) -> None:
+        for dev in [d for d in self._pending if not self._still_bad(snap, d)]:
+            del self._pending[dev]
+
+    def _still_bad(self, snap: Snapshot, device_id: str) -> bool:
+        d = snap.get(device_id)
+        return d is not None and d.state.value in self.settings.states
+
+    def _correlate(self, snap: Snapshot, now: float) -> None:
+        self.stats.lookups += 1
+        try:
+            held = self.lister.list()
+        except PodResourcesError as exc:
+            self.stats.lookup_failures += 1
+            self._lookup_failures += 1
+            delay = min(self.settings.lookup_retry_max_s,
+                        self.settings.lookup_retry_initial_s * 2 ** min(self._lookup_failures - 1, 20))
+            self._lookup_at = now + delay
+            self.stats.last_error = f"PodResources: {exc}"
+            # Loud once per outage, then quiet: the back-off already paces the retries.
+            (log.warning if self._lookup_failures == 1 else log.debug)(
+                "pod correlation: cannot ask the kubelet which pods hold %s: %s; retrying in %.0fs",
+                ", ".join(sorted(self._pending)), exc, delay)
+            return
+        self._lookup_failures = 0
+        pending, self._pending = self._pending, {}
+        for pod in match(held, pending, snap, self.settings.resources):
+            self._act(pod, now)
+
+    def _api_client(self) -> PodApi:
+        if self._api is None:
+            self._api = self._api_factory()
+        return self._api
+
+    def _act(self, pod: Affected, now: float) -> None:
+        new = [d for d, t in pod.transitions.items()
+               if (pod.namespace, pod.pod, d, t.to_state) not in self._done]
+        if not new:
+            return
+        try:
+            api = self._api_client()
+        except ApiFailure as f:
+            self.stats.event_failures += 1
+            self._note_error(f"no Kubernetes client for pod correlation: {f}")
+            return
+        uid = ""
+        try:
+            view = api.get_pod(pod.namespace, pod.pod)
+            uid = view.uid
+        except ApiFailure as f:
+            if f.status == 404:
+                return  # gone already: nothing to tell, nothing to move
+            # Without get (RBAC) the Event still goes out, only without the pod's UID.
+            self._note_error(f"cannot read pod {pod.namespace}/{pod.pod} ({f}); posting its Event without a UID")
+        for d in new:
+            self._remember((pod.namespace, pod.pod, d, pod.transitions[d].to_state))
+        try:
+            api.create_event(pod.namespace, self._event_body(pod, new, uid))
+            self.stats.events_posted += 1
+            log.warning("pod %s/%s holds failing device(s) %s: Event posted", pod.namespace, pod.pod, ", ".join(new))
+        except ApiFailure as f:
+            self.stats.event_failures += 1
+            self._note_error(f"posting an Event on pod {pod.namespace}/{pod.pod}: {f}")
+        if self.settings.annotate:
+            key = f"{self.settings.annotation_prefix}/{ANNOTATION}"
+            value = ",".join(f"{d}={pod.transitions[d].to_state}" for d in sorted(pod.transitions))
+            try:
+                api.patch_pod_annotations(pod.namespace, pod.pod, {key: value})
+                self.stats.annotations += 1
+            except ApiFailure as f:
+                self.stats.annotation_failures += 1
+                self._note_error(f"annotating pod {pod.namespace}/{pod.pod}: {f}")
+        if self.settings.evict and (pod.namespace, pod.pod) not in self._evictions:
+            self._evictions[(pod.namespace, pod.pod)] = _Eviction(pod.namespace, pod.pod, uid,
+                                                                  tuple(sorted(pod.transitions)), next_at=now)
+            self._retry_evictions(self.state.snapshot(), now)
+
+    def _retry_evictions(self, snap: Snapshot, now: float) -> None:
+        for key, ev in list(self._evictions.items()):
+            if ev.next_at > now:
+                continue
+            if not any(self._still_bad(snap, d) for d in ev.devices):
+                log.info("pod %s/%s: its devices recovered; eviction no longer needed", ev.namespace, ev.pod)
+                del self._evictions[key]
+                continue
+            ev.attempts += 1
+            try:
+                self._api_client().evict_pod(ev.namespace, ev.pod, ev.uid)
+            except ApiFailure as f:
+                if f.status == 404 or f.status == 409:
+                    # Gone, or replaced by a new pod of the same name (the UID precondition failed): done.
+                    del self._evictions[key]
+                    continue
+                delay = min(self.settings.evict_retry_max_s,
+                            self.settings.evict_retry_initial_s * 2 ** min(ev.attempts - 1, 20))
+                if f.retry_after is not None:
+                    delay = max(delay, min(f.retry_after, self.settings.evict_retry_max_s))
+                ev.next_at = now + delay
+                if f.status == 429:
+                    self.stats.evictions_blocked += 1
+                    log.warning("eviction of pod %s/%s refused (%s); retrying in %.0fs while its device stays bad",
+                                ev.namespace, ev.pod, f.message, delay)
+                else:
+                    self.stats.evictions_failed += 1
+                    self._note_error(f"evicting pod {ev.namespace}/{ev.pod}: {f}; retrying in {delay:.0f}s")
+                continue
+            self.stats.evictions_evicted += 1
+            log.warning("evicted pod %s/%s from failing device(s) %s", ev.namespace, ev.pod, ", ".join(ev.devices))
+            del self._evictions[key]
+
+    def _remember(self, key: tuple[str, str, str, str]) -> None:
+        self._done[key] = None
+        while len(self._done) > 4096:
+            self._done.popitem(last=False)
+
+    def _note_error(self, message: str) -> None:
+        self.stats.last_error = message
+        log.warning("pod correlation: %s", message)
+
+    def _event_body(self, pod: Affected, devices: Sequence[str], uid: str) -> dict[str, Any]:
+        worst = pod.transitions[devices[0]]
+        parts = []
+        for d in devices:
+            t = pod.transitions[d]
+            containers = ", ".join(sorted(set(pod.containers.get(d, []))))
+            part = f"device {d} (container {containers}) is {t.to_state}"
+            if t.reasons:
+                r = t.reasons[0]
+                part += f": {r.code}: {r.message} (action: {r.action})"
+            parts.append(part)
+        message = "; ".join(parts)
+        if len(message) > MESSAGE_MAX:
+            message = message[:MESSAGE_MAX - 3] + "..."
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self._wall()))
+        involved: dict[str, str] = {"apiVersion": "v1", "kind": "Pod", "namespace": pod.namespace, "name": pod.pod}
+        if uid:
+            involved["uid"] = uid
+        return {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{pod.pod[:200]}.gpu-health.", "namespace": pod.namespace},
+            "involvedObject": involved,
+            "reason": f"GPU{worst.to_state}",
+            "message": message,
+            "type": "Warning",
+            "source": {"component": COMPONENT, **({"host": self.settings.node_name} if self.settings.node_name
+                                                  else {})},
+            "reportingComponent": COMPONENT,
+            "reportingInstance": self.settings.node_name or COMPONENT,
+            "firstTimestamp": stamp,
+            "lastTimestamp": stamp,
+            "count": 1,
+        }
+
+
+def match(held: Iterable[Holding], bad: Mapping[str, Transition], snap: Snapshot,
+          resources: Sequence[Resource]) -> list[Affected]:
+    """Pods holding any of the ``bad`` devices. An advertised ID is mapped back to the node-state device behind it
+    (a replica to its GPU, a MIG device to itself); a GPU-level transition also covers the devices derived from it."""
+    ours = {r.name: r for r in resources}
+    pods: dict[tuple[str, str], Affected] = {}
+    for h in held:
+        resource = ours.get(h.resource)
+        if resource is None:
+            continue  # another plugin's device
+        backing = resource.backing(snap, h.device_id)
+        candidates = [backing.id, backing.parent_id] if backing is not None else [h.device_id]
+        hit = next((c for c in candidates if c in bad), None)
+        if hit is None:
+            continue
+        pod = pods.setdefault((h.namespace, h.pod), Affected(h.namespace, h.pod))
+        pod.containers.setdefault(hit, []).append(h.container)
+        pod.transitions[hit] = bad[hit]
+    return sorted(pods.values(), key=lambda p: (p.namespace, p.pod))
+
+
+def make_correlator(cfg: Any, state: NodeState, resources: Sequence[Resource]) -> Correlator | None:
+    """The outlet the config asks for, or None when it is off (no states to act on)."""
+    if not cfg.correlate_on:
+        return None
+    settings = CorrelationSettings(
+        states=frozenset(cfg.correlate_on), resources=tuple(resources), node_name=getattr(cfg, "node_name", ""),
+        annotate=cfg.annotate_pods, evict=cfg.remediate == "evict",
+        annotation_prefix=getattr(cfg, "annotation_prefix", "gpu-health.io"))
+    kubeconfig = getattr(cfg, "kubeconfig", None)
+    return Correlator(state, settings, PodResourcesClient(cfg.pod_resources_socket),
+                      lambda: LightkubePodApi(kubeconfig))

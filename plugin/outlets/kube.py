@@ -1,0 +1,575 @@
+"""The cluster reporter: writes node annotations, the node condition and Events through the Kubernetes API.
+
+A thin writer around pure parts (``annotations.py``, ``condition.py``, ``events.py``). It runs in its own thread,
+reads the node state (never holding its lock during I/O) and keeps the API server calm:
+
+- only on change: it compares what it wants with what the server has, and writes nothing when they agree;
+- a burst is coalesced: a write happens ``debounce_s`` after the first unwritten change, with the state of that
+  moment, so 20 transitions within a second are one merge PATCH;
+- a per-node token bucket (one token per ``min_interval_s``) bounds writes to the Node: a flapping device costs at
+  most one write per 10 s by default;
+- failures back off exponentially with jitter (``Retry-After`` honoured on 429), are logged once per back-off and
+  shown in :meth:`KubeReporter.status`; the kubelet path never waits on any of it;
+- every annotation PATCH carries the ``resourceVersion`` it was computed from, so a write based on a stale view is
+  refused (409) instead of undoing someone else's edit; on 409 it re-reads and recomputes at once;
+- on start it reads the Node and reconciles our keys, and it re-reads every ``resync_s`` to repair manual edits.
+
+Time is passed in (``tick(now)``), so tests and benchmarks drive it on a virtual clock. ``lightkube`` is imported
+only when a real client is built.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+from plugin.config import Config
+from plugin.health.state import NodeState, Snapshot, Transition
+from plugin.outlets.annotations import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_PREFIX,
+    desired_annotations,
+    device_names,
+    last_transitions,
+    merge_patch,
+)
+from plugin.outlets.condition import DesiredCondition, desired_condition, find_condition
+from plugin.outlets.events import Entry, EventAggregator
+
+log = logging.getLogger(__name__)
+
+FIELD_MANAGER = "gpu-health-device-plugin"
+MAX_CONFLICT_RETRIES = 3
+
+
+# Timing primitives: pure, time passed in. bench/fleet_sim.py drives these same classes. -------------------------
+
+class TokenBucket:
+    """``capacity`` tokens, one more every ``interval_s``. Capacity 1 means "at most one per interval"."""
+
+    def __init__(self, interval_s: float, capacity: float = 1.0, now: float = 0.0) -> None:
+        self.interval = interval_s
+        self.capacity = capacity
+        self._tokens = capacity
+        self._at = now
+
+    def _refill(self, now: float) -> None:
+        if now > self._at:
+            self._tokens = min(self.capacity, self._tokens + (now - self._at) / self.interval)
+            self._at = now
+
+    def available_at(self, now: float) -> float:
+        self._refill(now)
+        if self._tokens >= 1.0:
+            return now
+        return now + (1.0 - self._tokens) * self.interval
+
+    def take(self, now: float) -> bool:
+        self._refill(now)
+        if self._tokens >= 1.0 - 1e-9:
+            self._tokens = max(0.0, self._tokens - 1.0)
+            return True
+        return False
+
+    def refund(self) -> None:
+        """Give back a token whose write failed: the back-off, not the bucket, paces retries."""
+        self._tokens = min(self.capacity, self._tokens + 1.0)
+
+
+class Backoff:
+    """Exponential back-off with "equal jitter": the n-th delay is uniform in [d/2, d], d = initial * 2^(n-1)
+    capped at ``maximum``, so a fleet that lost its API server at once does not come back in lockstep."""
+
+    def __init__(self, initial_s: float = 1.0, maximum_s: float = 300.0, rng: random.Random | None = None) -> None:
+        self.initial = initial_s
+        self.maximum = maximum_s
+        self.failures = 0
+        self._rng = rng or random.Random()
+
+    def next_delay(self, retry_after: float | None = None) -> float:
+        self.failures += 1
+        d = min(self.maximum, self.initial * 2.0 ** min(self.failures - 1, 30))
+        delay = d / 2 + self._rng.uniform(0, d / 2)
+        if retry_after is not None:
+            delay = max(delay, min(retry_after, self.maximum))
+        return delay
+
+    def reset(self) -> None:
+        self.failures = 0
+
+
+class WriteScheduler:
+    """When to write: debounce after the first unwritten change, a token bucket, and a back-off gate."""
+
+    def __init__(self, debounce_s: float, min_interval_s: float, backoff: Backoff, now: float = 0.0) -> None:
+        self.debounce = debounce_s
+        self.bucket = TokenBucket(min_interval_s, 1.0, now)
+        self.backoff = backoff
+        self.pending_since: float | None = None
+        self.blocked_until = -math.inf
+
+    def changed(self, now: float) -> None:
+        """Something we want differs from what the server has (idempotent while it stays so)."""
+        if self.pending_since is None:
+            self.pending_since = now
+
+    def settled(self) -> None:
+        """What we want is what the server has: nothing to write (e.g. a flap came back within the debounce)."""
+        self.pending_since = None
+
+    def due_at(self, now: float) -> float:
+        if self.pending_since is None:
+            return math.inf
+        return max(self.pending_since + self.debounce, self.bucket.available_at(now), self.blocked_until)
+
+    def try_start(self, now: float) -> bool:
+        return self.due_at(now) <= now and self.bucket.take(now)
+
+    def succeeded(self) -> None:
+        self.pending_since = None
+        self.backoff.reset()
+
+    def failed(self, now: float, retry_after: float | None = None) -> float:
+        self.bucket.refund()
+        delay = self.backoff.next_delay(retry_after)
+        self.blocked_until = now + delay
+        return delay
+
+    def blocked(self, now: float) -> bool:
+        return now < self.blocked_until
+
+
+# The API: a small protocol so the writer does not care which client library sits behind it. ---------------------
+
+class ApiFailure(Exception):
+    def __init__(self, status: int | None, message: str, retry_after: float | None = None) -> None:
+        super().__init__(f"HTTP {status}: {message}" if status else message)
+        self.status = status
+        self.message = message
+        self.retry_after = retry_after
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """What we know of the Node on the server: enough to compute patches and address Events."""
+
+    name: str
+    uid: str
+    resource_version: str
+    annotations: dict[str, str]
+    conditions: list[dict[str, Any]] = field(default_factory=list)
+
+
+class KubeApi(Protocol):
+    def get_node(self, name: str) -> NodeView: ...
+    def patch_node_annotations(self, name: str, patch: Mapping[str, str | None],
+                               resource_version: str | None) -> NodeView: ...
+    def patch_node_condition(self, name: str, condition: Mapping[str, str]) -> NodeView: ...
+    def create_event(self, namespace: str, body: Mapping[str, Any]) -> str: ...
+    def patch_event(self, namespace: str, name: str, body: Mapping[str, Any]) -> None: ...
+    def close(self) -> None: ...
+
+
+class LightkubeApi:
+    """:class:`KubeApi` over lightkube: in-cluster service-account config, or a kubeconfig file outside."""
+
+    def __init__(self, kubeconfig: Path | None = None, timeout_s: float = 10.0) -> None:
+        import httpx2
+        from lightkube import Client, KubeConfig
+        from lightkube.core.exceptions import ConfigError
+
+        try:
+            config = KubeConfig.from_file(kubeconfig) if kubeconfig else KubeConfig.from_service_account()
+            self._client = Client(config=config, timeout=httpx2.Timeout(timeout_s), field_manager=FIELD_MANAGER)
+        except (ConfigError, OSError, KeyError, ValueError) as exc:
+            where = f"kubeconfig {kubeconfig}" if kubeconfig else "the in-cluster service account (or --kubeconfig)"
+            raise ApiFailure(None, f"cannot configure a Kubernetes client from {where}: {exc!r}") from None
+
+    @staticmethod
+    def _view(node: Any) -> NodeView:
+        meta = node.metadata
+        conditions = [c.to_dict() for c in (node.status.conditions or [])] if node.status else []
+        return NodeView(name=meta.name, uid=meta.uid or "", resource_version=meta.resourceVersion or "",
+                        annotations=dict(meta.annotations or {}), conditions=conditions)
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        from lightkube.core.exceptions import ApiError
+        try:
+            return fn()
+        except ApiError as exc:
+            retry = exc.response.headers.get("Retry-After") if exc.response is not None else None
+            code: int | None = exc.status.code or (exc.response.status_code if exc.response is not None else None)
+            raise ApiFailure(code, exc.status.message or str(exc), _seconds(retry)) from None
+        except Exception as exc:  # the transport's many errors, a non-JSON error body: all are "API trouble"
+            response = getattr(exc, "response", None)
+            status = getattr(response, "status_code", None)
+            http = status if isinstance(status, int) else None
+            retry = response.headers.get("Retry-After") if response is not None else None
+            raise ApiFailure(http, f"{type(exc).__name__}: {exc}", _seconds(retry)) from None
+
+    def get_node(self, name: str) -> NodeView:
+        from lightkube.resources.core_v1 import Node
+        return self._view(self._call(lambda: self._client.get(Node, name)))
+
+    def patch_node_annotations(self, name: str, patch: Mapping[str, str | None],
+                               resource_version: str | None) -> NodeView:
+        from lightkube.resources.core_v1 import Node
+        from lightkube.types import PatchType
+        meta: dict[str, Any] = {"annotations": dict(patch)}
+        if resource_version:
+            meta["resourceVersion"] = resource_version  # a precondition: 409 if the node moved on
+        return self._view(self._call(lambda: self._client.patch(Node, name, {"metadata": meta},
+                                                                patch_type=PatchType.MERGE)))
+
+    def patch_node_condition(self, name: str, condition: Mapping[str, str]) -> NodeView:
+        from lightkube.resources.core_v1 import Node
+        from lightkube.types import PatchType
+        # Strategic merge on conditions (merge key: type) touches our condition only.
+        body = {"status": {"conditions": [dict(condition)]}}
+        return self._view(self._call(lambda: self._client.patch(Node.Status, name, body,
+                                                                patch_type=PatchType.STRATEGIC)))
+
+    def create_event(self, namespace: str, body: Mapping[str, Any]) -> str:
+        from lightkube.resources.core_v1 import Event
+        event = Event.from_dict(dict(body))
+        created = self._call(lambda: self._client.create(event, namespace=namespace))  # type: ignore[call-overload]
+        return str(created.metadata.name)
+
+    def patch_event(self, namespace: str, name: str, body: Mapping[str, Any]) -> None:
+        from lightkube.resources.core_v1 import Event
+        from lightkube.types import PatchType
+        self._call(lambda: self._client.patch(Event, name, dict(body), namespace=namespace,
+                                              patch_type=PatchType.MERGE))
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def _seconds(v: str | None) -> float | None:
+    try:
+        return max(0.0, float(v)) if v else None
+    except ValueError:
+        return None  # an HTTP date: rare from the API server, and the back-off still applies
+
+
+# The reporter -------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ReporterSettings:
+    node_name: str
+    prefix: str = DEFAULT_PREFIX
+    annotations: bool = True
+    events: bool = True
+    condition: bool = False
+    condition_type: str = "GPUHealthy"
+    debounce_s: float = 1.0
+    min_interval_s: float = 10.0
+    resync_s: float = 600.0
+    max_bytes: int = DEFAULT_MAX_BYTES
+    backoff_initial_s: float = 1.0
+    backoff_max_s: float = 300.0
+    event_namespace: str = "default"  # where the kubelet puts Node events too
+    event_min_interval_s: float = 10.0
+    event_window_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class ReporterStatus:
+    """For metrics (issue 8) and the health stream. Times are wall-clock seconds."""
+
+    node: str
+    ok: bool = True  # false while the last attempt failed
+    last_error: str | None = None
+    last_error_at: float | None = None
+    writes: int = 0  # successful writes to the Node (annotation patches + condition patches)
+    failures: int = 0  # failed requests of any kind
+    conflicts: int = 0  # 409s answered by a re-read
+    reads: int = 0
+    last_write_at: float | None = None
+    pending: bool = False  # a change waits to be written
+    truncated: int = 0  # device entries dropped by the size cap in the current desired state
+    events_written: int = 0
+    event_failures: int = 0
+
+
+class KubeReporter:
+    def __init__(self, state: NodeState, settings: ReporterSettings, api_factory: Callable[[], KubeApi],
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
+                 rng: random.Random | None = None) -> None:
+        self.state = state
+        self.settings = s = settings
+        self._api_factory = api_factory
+        self._api: KubeApi | None = None
+        self._clock = clock
+        self._wall = wall
+        rng = rng or random.Random()
+        now = clock()
+        self._node = WriteScheduler(s.debounce_s, s.min_interval_s, Backoff(s.backoff_initial_s, s.backoff_max_s,
+                                                                             rng), now)
+        self._ev_backoff = Backoff(s.backoff_initial_s, s.backoff_max_s, rng)
+        self._ev_blocked_until = -math.inf
+        self._events = EventAggregator(s.node_name, s.event_window_s, s.event_min_interval_s)
+        self._version = 0
+        self._seq: int | None = None
+        self._last: dict[str, Transition] = {}
+        self._names: dict[str, str] = {}
+        self._desired: dict[str, str] = {}
+        self._desired_cond: DesiredCondition | None = None
+        self._remote: NodeView | None = None
+        self._need_read = True
+        self._next_resync = math.inf
+        self._status = ReporterStatus(node=s.node_name)
+        self._status_lock = threading.Lock()
+        self._logged_error: str | None = None
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # Status ---------------------------------------------------------------------------------------------------
+
+    def status(self) -> ReporterStatus:
+        with self._status_lock:
+            return self._status
+
+    def outlet_errors(self) -> dict[str, str]:
+        """For the health stream's ListResponse.outlet_errors: our last error while the last attempt failed."""
+        s = self.status()
+        return {"kube": s.last_error} if not s.ok and s.last_error else {}
+
+    def _update(self, **changes: Any) -> None:
+        with self._status_lock:
+            self._status = replace(self._status, **changes)
+
+    def _failed(self, what: str, f: ApiFailure, delay: float, events: bool = False) -> None:
+        s = self.status()
+        counter = {"event_failures": s.event_failures + 1} if events else {}
+        self._update(ok=False, last_error=f"{what}: {f}", last_error_at=self._wall(), failures=s.failures + 1,
+                     **counter)
+        # One line per back-off: the back-off paces the attempts, so this cannot flood the log.
+        log.warning("cluster reporting: %s failed (%s); retrying in %.1fs", what, f, delay)
+        self._logged_error = str(f)
+
+    def _recovered(self) -> None:
+        if self._logged_error is not None:
+            log.info("cluster reporting: API server reachable again (last error: %s)", self._logged_error)
+            self._logged_error = None
+        self._update(ok=True)
+
+    # Thread ---------------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kube-reporter", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._stopping.set()
+        self.state.poke()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self._api is not None:
+            try:
+                self._api.close()
+            except Exception:  # closing a broken connection pool must not fail the shutdown
+                pass
+
+    def _run(self) -> None:
+        while not self._stopping.is_set() and not self.state.closed:
+            now = self._clock()
+            try:
+                deadline = self.tick(now)
+            except Exception:
+                # A bug here must not end cluster reporting for the life of the process; the kubelet path is
+                # unaffected either way.
+                log.exception("cluster reporting: unexpected error; retrying in 5s")
+                deadline = now + 5.0
+            wait = max(0.0, min(deadline - self._clock(), 3600.0))
+            self.state.wait_for_change(self._version, wait, abort=self._stopping.is_set)
+
+    # One step -------------------------------------------------------------------------------------------------
+
+    def tick(self, now: float) -> float:
+        """Do whatever is due at ``now``; return when to be called next (or sooner, on a state change)."""
+        snap = self.state.snapshot()
+        if snap.version == 0:
+            return math.inf  # nothing published yet: writing now would wipe the node's device keys
+        if snap.version != self._version:
+            self._on_snapshot(snap, now)
+        if self._api is None:
+            if self._node.blocked(now):
+                return self._node.blocked_until
+            try:
+                self._api = self._api_factory()
+            except ApiFailure as f:
+                self._failed("building the API client", f, self._node.failed(now))
+                return self._node.blocked_until
+        deadlines = [math.inf]
+        s = self.settings
+        if s.annotations or s.condition or s.events:
+            if (self._need_read or now >= self._next_resync) and not self._node.blocked(now):
+                self._read(now)
+            self._check_pending(now)
+            if self._remote is not None and (s.annotations or s.condition) and self._node.try_start(now):
+                self._write(now)
+            self._update(pending=self._node.pending_since is not None)
+            deadlines += [self._node.due_at(now), self._next_resync]
+            if self._need_read:
+                deadlines.append(max(now, self._node.blocked_until))
+        if s.events:
+            self._flush_events(now)
+            deadlines.append(max(self._events.next_due(), self._ev_blocked_until))
+        return min(deadlines)
+
+    def _on_snapshot(self, snap: Snapshot, now: float) -> None:
+        first = self._seq is None
+        news: list[Transition] | None = [] if first else self.state.transitions_since(self._seq or 0)
+        if news is None or first:
+            # First look, or we fell behind the bounded history: take the last transitions from what is left.
+            self._last.update(last_transitions(self.state.history()))
+        else:
+            self._last.update(last_transitions(news))
+        self._names.update(device_names(snap.devices))
+        if self.settings.events and news:
+            # Only transitions seen while running: the ones before our first look (e.g. a latched fault reloaded
+            # at start) are on the annotations already and would repeat an Event on every restart.
+            self._events.observe(news, self._names)
+        self._seq = snap.seq
+        self._version = snap.version
+        s = self.settings
+        if s.annotations:
+            desired = desired_annotations(snap, self._last, s.prefix, s.max_bytes)
+            self._desired = desired.annotations
+            if desired.truncated != self.status().truncated:
+                if desired.truncated:
+                    log.warning("cluster reporting: annotations over the %d-byte cap; %d device entries omitted",
+                                s.max_bytes, desired.truncated)
+                self._update(truncated=desired.truncated)
+        if s.condition:
+            self._desired_cond = desired_condition(snap, s.condition_type)
+        present = {d.id for d in snap.devices}
+        self._last = {k: v for k, v in self._last.items() if k in present}
+
+    def _annotation_patch(self) -> dict[str, str | None]:
+        if not self.settings.annotations or self._remote is None:
+            return {}
+        return merge_patch(self._remote.annotations, self._desired, self.settings.prefix)
+
+    def _condition_needed(self) -> bool:
+        if self._desired_cond is None or self._remote is None:
+            return False
+        return not self._desired_cond.same_as(find_condition(self._remote.conditions, self._desired_cond.type))
+
+    def _check_pending(self, now: float) -> None:
+        if self._remote is None:
+            return
+        if self._annotation_patch() or self._condition_needed():
+            self._node.changed(now)
+        else:
+            self._node.settled()
+
+    def _read(self, now: float) -> bool:
+        assert self._api is not None
+        try:
+            self._remote = self._api.get_node(self.settings.node_name)
+        except ApiFailure as f:
+            what = f"reading node {self.settings.node_name}"
+            if f.status == 404:
+                f = ApiFailure(404, f"node {self.settings.node_name} does not exist (check --node-name)")
+            self._failed(what, f, self._node.failed(now, f.retry_after))
+            return False
+        self._need_read = False
+        self._next_resync = now + self.settings.resync_s
+        self._update(reads=self.status().reads + 1)
+        self._recovered()
+        return True
+
+    def _write(self, now: float) -> None:
+        assert self._api is not None and self._remote is not None
+        node = self.settings.node_name
+        writes = 0
+        try:
+            for attempt in range(MAX_CONFLICT_RETRIES + 1):
+                patch = self._annotation_patch()
+                if not patch:
+                    break
+                try:
+                    self._remote = self._api.patch_node_annotations(node, patch, self._remote.resource_version)
+                    writes += 1
+                    break
+                except ApiFailure as f:
+                    if f.status != 409 or attempt == MAX_CONFLICT_RETRIES:
+                        raise
+                    # Someone changed the node since our read: re-read and recompute. Our patch was refused
+                    # whole, so nothing stale reached the server.
+                    self._update(conflicts=self.status().conflicts + 1)
+                    if not self._read(now):
+                        return
+            if self._condition_needed() and self._desired_cond is not None:
+                current = find_condition(self._remote.conditions, self._desired_cond.type)
+                item = self._desired_cond.to_patch_item(current, self._wall())
+                self._remote = self._api.patch_node_condition(node, item)
+                writes += 1
+        except ApiFailure as f:
+            self._need_read = True  # converge from what the server really has once it answers again
+            self._failed(f"writing node {node}", f, self._node.failed(now, f.retry_after))
+            if writes:
+                self._update(writes=self.status().writes + writes, last_write_at=self._wall())
+            return
+        self._node.succeeded()
+        self._recovered()
+        if writes:
+            self._update(writes=self.status().writes + writes, last_write_at=self._wall())
+        self._check_pending(now)  # a change that arrived while the write was in flight stays pending
+
+    def _flush_events(self, now: float) -> None:
+        if now < self._ev_blocked_until or self._api is None:
+            return
+        uid = self._remote.uid if self._remote is not None and self._remote.uid else self.settings.node_name
+        ns = self.settings.event_namespace
+        for e in self._events.due(now):
+            try:
+                self._post_event(e, uid, ns, now)
+            except ApiFailure as f:
+                delay = self._ev_backoff.next_delay(f.retry_after)
+                self._ev_blocked_until = now + delay
+                self._failed(f"posting Event {e.spec.reason} for {e.spec.device}", f, delay, events=True)
+                return
+            self._ev_backoff.reset()
+            self._update(events_written=self.status().events_written + 1)
+
+    def _post_event(self, e: Entry, uid: str, ns: str, now: float) -> None:
+        assert self._api is not None
+        if not self._events.needs_create(e, now) and e.name is not None:
+            try:
+                self._api.patch_event(ns, e.name, self._events.patch_body(e))
+                self._events.patched(e, now)
+                return
+            except ApiFailure as f:
+                if f.status != 404:
+                    raise
+                # The Event expired (the API server keeps them an hour by default): start a new one.
+        name = self._api.create_event(ns, self._events.create_body(e, uid, ns))
+        self._events.created(e, name, now)
+
+
+def make_reporter(cfg: Config, state: NodeState) -> KubeReporter | None:
+    """The reporter the config asks for, or None: reporting needs a node name and at least one outlet on."""
+    wanted = cfg.annotations or cfg.events or cfg.node_condition
+    if not cfg.node_name:
+        if wanted:
+            log.info("cluster reporting off: no node name (set --node-name or NODE_NAME)")
+        return None
+    if not wanted:
+        return None
+    settings = ReporterSettings(
+        node_name=cfg.node_name, prefix=cfg.annotation_prefix, annotations=cfg.annotations, events=cfg.events,
+        condition=cfg.node_condition, condition_type=cfg.node_condition_type, debounce_s=cfg.report_debounce,
+        min_interval_s=cfg.report_min_interval, resync_s=cfg.report_resync_interval,
+        max_bytes=cfg.annotation_max_bytes)
+    kubeconfig = cfg.kubeconfig
+    return KubeReporter(state, settings, lambda: LightkubeApi(kubeconfig))

@@ -1,0 +1,253 @@
+"""The ``sharing`` section of the config file and the MIG strategy: which kubelet resources the node advertises.
+
+Parsing and validation live here (pure, no I/O); ``build_resources`` turns the result into the resource list the
+supervisor serves, one gRPC server and socket per resource. ``docs/sharing.md`` is the reference.
+
+    sharing:
+      timeSlicing:
+        allocationPolicy: distributed      # or packed: how GetPreferredAllocation picks replicas
+        failRequestsGreaterThanOne: false  # default for every entry
+        renameByDefault: false             # true: entries without rename advertise <name>.shared
+        resources:
+        - name: nvidia.com/gpu             # a resource the MIG strategy produces
+          replicas: 4                      # each selected device is advertised as <id>::0 .. <id>::3
+          rename: nvidia.com/gpu.shared    # optional: advertise the replicas under this name instead
+          devices: all                     # all | a count (the first N) | a list of GPU indices / UUIDs
+          failRequestsGreaterThanOne: true # optional: Allocate of more than one replica is refused
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from plugin.devices.model import Gpu
+from plugin.kubelet.resources import (
+    POOL_ALL_GPUS,
+    POOL_SINGLE,
+    POOL_UNPARTITIONED,
+    DeviceResource,
+    Part,
+    Selection,
+    mig_pool,
+)
+
+log = logging.getLogger(__name__)
+
+MIG_STRATEGIES = ("none", "single", "mixed")
+POLICIES = ("distributed", "packed")
+MAX_REPLICAS = 1024  # per device; beyond this a ListAndWatch message on a large node nears gRPC's 4 MiB default
+_RESOURCE_RE = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+
+
+class SharingError(ValueError):
+    """A bad value in the sharing section; ``field`` is its path (``sharing.timeSlicing.resources[0].replicas``)."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+        self.message = message
+
+
+@dataclass(frozen=True)
+class TimeSlicedResource:
+    name: str
+    replicas: int
+    rename: str | None = None
+    devices: Selection = field(default_factory=Selection)
+    fail_requests_greater_than_one: bool = False
+    where: str = ""  # the entry's path in the file, for messages at run time
+
+    @property
+    def advertised_as(self) -> str:
+        return self.rename or self.name
+
+
+@dataclass(frozen=True)
+class SharingConfig:
+    resources: tuple[TimeSlicedResource, ...] = ()
+    policy: str = "distributed"
+
+    def effective(self) -> dict[str, Any]:
+        return {"policy": self.policy, "timeSlicing": [
+            {"name": r.name, "replicas": r.replicas, "rename": r.rename, "devices": r.devices.describe(),
+             "failRequestsGreaterThanOne": r.fail_requests_greater_than_one} for r in self.resources]}
+
+
+def _mapping(v: Any, where: str, known: set[str]) -> dict[str, Any]:
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise SharingError(where, f"expected a mapping, got {v!r}")
+    unknown = sorted(str(k) for k in set(v) - known)
+    if unknown:
+        raise SharingError(f"{where}.{unknown[0]}", f"unknown key (known: {', '.join(sorted(known))})")
+    return v
+
+
+def _flag(v: Any, where: str) -> bool:
+    if not isinstance(v, bool):
+        raise SharingError(where, f"expected true or false, got {v!r}")
+    return v
+
+
+def _resource_name(v: Any, where: str) -> str:
+    if not isinstance(v, str) or not _RESOURCE_RE.match(v) or len(v) > 253 or v.split("/")[0] == "kubernetes.io":
+        raise SharingError(where, f"expected an extended resource name like nvidia.com/gpu.shared, got {v!r}")
+    return v
+
+
+def _devices(v: Any, where: str) -> Selection:
+    if v == "all":
+        return Selection()
+    if isinstance(v, int) and not isinstance(v, bool):
+        if v < 1:
+            raise SharingError(where, f"a count of devices must be at least 1, got {v}")
+        return Selection(count=v)
+    if isinstance(v, list):
+        if not v:
+            raise SharingError(where, "an empty list shares nothing; use all, a count, or GPU indices / UUIDs")
+        ids: list[int | str] = []
+        for i, item in enumerate(v):
+            at = f"{where}[{i}]"
+            if isinstance(item, bool) or not isinstance(item, (int, str)) or item in ("", None):
+                raise SharingError(at, f"expected a GPU index or a GPU/MIG UUID, got {item!r}")
+            if isinstance(item, str) and item.isdigit():
+                item = int(item)  # "0" in a YAML list means the index, as in the NVIDIA plugin's format
+            if isinstance(item, int) and item < 0:
+                raise SharingError(at, f"a GPU index cannot be negative, got {item}")
+            if isinstance(item, str) and ":" in item:
+                raise SharingError(at, f"MIG devices are selected by UUID here, not by {item!r}")
+            if item in ids:
+                raise SharingError(at, f"{item!r} is listed twice")
+            ids.append(item)
+        return Selection(ids=tuple(ids))
+    raise SharingError(where, f"expected all, a count, or a list of GPU indices / UUIDs, got {v!r}")
+
+
+def parse_sharing(doc: Any) -> SharingConfig:
+    """Parse the ``sharing`` section on its own (names are checked against the node in ``validate``)."""
+    top = _mapping(doc, "sharing", {"timeSlicing"})
+    ts = _mapping(top.get("timeSlicing"), "sharing.timeSlicing",
+                  {"resources", "allocationPolicy", "failRequestsGreaterThanOne", "renameByDefault"})
+    where_ts = "sharing.timeSlicing"
+    policy = ts.get("allocationPolicy", "distributed")
+    if policy not in POLICIES:
+        raise SharingError(f"{where_ts}.allocationPolicy", f"expected one of {', '.join(POLICIES)}, got {policy!r}")
+    fail_default = _flag(ts.get("failRequestsGreaterThanOne", False), f"{where_ts}.failRequestsGreaterThanOne")
+    rename_default = _flag(ts.get("renameByDefault", False), f"{where_ts}.renameByDefault")
+    entries = ts.get("resources", [])
+    if entries is None:
+        entries = []
+    if not isinstance(entries, list):
+        raise SharingError(f"{where_ts}.resources", f"expected a list of resources, got {entries!r}")
+    out: list[TimeSlicedResource] = []
+    for i, entry in enumerate(entries):
+        where = f"{where_ts}.resources[{i}]"
+        e = _mapping(entry, where, {"name", "replicas", "rename", "devices", "failRequestsGreaterThanOne"})
+        if not isinstance(entry, dict):
+            raise SharingError(where, "expected a mapping with name and replicas")
+        for required in ("name", "replicas"):
+            if required not in e:
+                raise SharingError(f"{where}.{required}", "missing")
+        name = _resource_name(e["name"], f"{where}.name")
+        replicas = e["replicas"]
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or not 1 <= replicas <= MAX_REPLICAS:
+            raise SharingError(f"{where}.replicas", f"expected an integer from 1 to {MAX_REPLICAS}, got {replicas!r}")
+        rename: str | None = None
+        if e.get("rename") is not None:
+            rename = _resource_name(e["rename"], f"{where}.rename")
+            if rename == name:
+                raise SharingError(f"{where}.rename", f"{rename!r} is the resource's own name")
+        elif rename_default:
+            rename = f"{name}.shared"
+        out.append(TimeSlicedResource(
+            name=name, replicas=replicas, rename=rename, devices=_devices(e.get("devices", "all"), f"{where}.devices"),
+            fail_requests_greater_than_one=_flag(e.get("failRequestsGreaterThanOne", fail_default),
+                                                 f"{where}.failRequestsGreaterThanOne"),
+            where=where))
+    return SharingConfig(resources=tuple(out), policy=policy)
+
+
+def mig_prefix(resource_name: str) -> str:
+    """MIG profile resources live in the base resource's domain: nvidia.com/gpu -> nvidia.com/mig-<profile>."""
+    return resource_name.split("/")[0] + "/mig-"
+
+
+def validate(sharing: SharingConfig, resource_name: str, mig_strategy: str) -> None:
+    """Cross-checks that need the rest of the config: every entry names a resource this node can advertise, at
+    most one entry per resource, and no advertised name is used twice."""
+    prefix = mig_prefix(resource_name)
+    taken: dict[str, str] = {resource_name: "plugin.resourceName"}
+    for r in sharing.resources:
+        is_mig = mig_strategy == "mixed" and r.name.startswith(prefix) and len(r.name) > len(prefix)
+        if r.name != resource_name and not is_mig:
+            known = resource_name + (f" or {prefix}<profile> (MIG strategy mixed)" if mig_strategy == "mixed" else "")
+            raise SharingError(f"{r.where}.name", f"{r.name!r} is not a resource this plugin advertises "
+                                                  f"(with MIG strategy {mig_strategy}: {known})")
+        for other in sharing.resources:
+            if other is r:
+                break
+            if other.name == r.name:
+                raise SharingError(f"{r.where}.name", f"{r.name!r} is already shared by {other.where}")
+        if r.rename is not None:
+            if mig_strategy == "mixed" and r.rename.startswith(prefix):
+                raise SharingError(f"{r.where}.rename", f"{r.rename!r}: names {prefix}* are kept for MIG profiles")
+            if r.rename in taken:
+                raise SharingError(f"{r.where}.rename", f"{r.rename!r} is already advertised ({taken[r.rename]})")
+            taken[r.rename] = f"{r.where}.rename"
+
+
+def base_pools(resource_name: str, mig_strategy: str, profiles: Sequence[str]) -> list[tuple[str, str]]:
+    """(resource name, pool) for each resource the MIG strategy produces, before any sharing."""
+    if mig_strategy == "none":
+        return [(resource_name, POOL_ALL_GPUS)]
+    if mig_strategy == "single":
+        return [(resource_name, POOL_SINGLE)]
+    prefix = mig_prefix(resource_name)
+    return [(resource_name, POOL_UNPARTITIONED)] + [(prefix + p, mig_pool(p)) for p in sorted(set(profiles))]
+
+
+def build_resources(resource_name: str, mig_strategy: str, sharing: SharingConfig,
+                    profiles: Sequence[str] = ()) -> list[DeviceResource]:
+    """The resources to serve. ``profiles`` are the MIG profiles seen at discovery (strategy mixed): like the
+    topology, they are read once; a profile that appears later is advertised after a plugin restart."""
+    by_name: dict[str, TimeSlicedResource] = {r.name: r for r in sharing.resources}
+    parts: dict[str, list[Part]] = {}
+    shared: dict[str, TimeSlicedResource] = {}
+    for name, pool in base_pools(resource_name, mig_strategy, profiles):
+        ts = by_name.get(name)
+        if ts is None:
+            parts.setdefault(name, []).append(Part(pool))
+            continue
+        target = ts.advertised_as
+        shared[target] = ts
+        if ts.devices.is_all and ts.rename is not None:
+            parts.setdefault(target, []).append(Part(pool, ts.devices, replicas=ts.replicas))
+            continue
+        # The devices the entry does not select stay whole under the original name.
+        parts.setdefault(name, []).append(Part(pool, ts.devices, invert=True))
+        parts.setdefault(target, []).append(Part(pool, ts.devices, replicas=ts.replicas))
+    out = []
+    for name, ps in parts.items():
+        ts = shared.get(name)
+        out.append(DeviceResource(
+            name=name, parts=tuple(p for p in ps if not (p.invert and p.selection.is_all)),
+            policy=sharing.policy,
+            fail_requests_greater_than_one=ts.fail_requests_greater_than_one if ts else False,
+            fail_setting=f"{ts.where}.failRequestsGreaterThanOne" if ts else ""))
+    for r in out:
+        log.info("resource %s", r.describe())
+    return out
+
+
+def profiles_of(gpus: Sequence[Gpu]) -> list[str]:
+    """MIG profiles present on these GPUs, in first-seen order."""
+    seen: dict[str, None] = {}
+    for g in gpus:
+        for m in g.mig_devices:
+            seen.setdefault(m.profile, None)
+    return list(seen)

@@ -1,0 +1,53 @@
+"""Device statuses for driving NodeState directly (cluster-reporting tests and benchmarks): no backend, no tracker."""
+
+from __future__ import annotations
+
+from plugin.devices.model import Gpu, MigDevice
+from plugin.health.state import DeviceStatus, NodeState
+from plugin.health.states import Reason, State
+
+REASONS = {
+    "xid-79": (State.UNHEALTHY, "reboot-node", "XID 79: GPU has fallen off the bus"),
+    "ecc-uncorrected": (State.UNHEALTHY, "reset-gpu", "2 volatile uncorrected ECC errors"),
+    "thermal-slowdown": (State.DEGRADED, "none", "temperature 90C at or above slowdown threshold 87C"),
+    "nvml-error": (State.UNKNOWN, "contact-support", "NVML calls failed for 3 consecutive polls"),
+}
+
+
+def gpu(index: int, migs: int = 0) -> Gpu:
+    uuid = f"GPU-{index:08d}-aaaa-bbbb-cccc-{index:012d}"
+    mig = tuple(MigDevice(uuid=f"MIG-{index:04d}-{m}-dddd-eeee-{m:012d}", parent_uuid=uuid, gpu_instance_id=m + 1,
+                          compute_instance_id=0, profile="1g.10gb") for m in range(migs))
+    return Gpu(uuid=uuid, index=index, name="NVIDIA H100 80GB HBM3", mig_devices=mig)
+
+
+def status(g: Gpu, state: State = State.HEALTHY, *codes: str, since: float = 1_767_225_600.0,
+           mig: MigDevice | None = None) -> DeviceStatus:
+    reasons = tuple(Reason(c, REASONS[c][0], REASONS[c][2], "poll", REASONS[c][1], since) for c in codes)
+    kubelet = "Healthy" if state in (State.HEALTHY, State.DEGRADED) else "Unhealthy"
+    return DeviceStatus(mig.uuid if mig else g.uuid, g, state, reasons, since, kubelet, mig)
+
+
+class Node:
+    """A node of ``n`` GPUs whose states a test sets one device at a time."""
+
+    def __init__(self, state: NodeState, n: int = 8, migs: int = 0) -> None:
+        self.state = state
+        self.gpus = [gpu(i, migs) for i in range(n)]
+        self.current: dict[str, DeviceStatus] = {}
+        for g in self.gpus:
+            self.current[g.uuid] = status(g)
+            for m in g.mig_devices:
+                self.current[m.uuid] = status(g, mig=m)
+
+    def publish(self, now: float) -> None:
+        self.state.publish(list(self.current.values()), now)
+
+    def set(self, index: int, state: State, *codes: str, now: float) -> None:
+        g = self.gpus[index]
+        self.current[g.uuid] = status(g, state, *codes, since=now)
+        self.publish(now)
+
+    def remove(self, index: int, now: float) -> None:
+        del self.current[self.gpus[index].uuid]
+        self.publish(now)

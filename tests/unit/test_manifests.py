@@ -1,0 +1,422 @@
+"""The deployment manifests, rendered by kustomize (the kubectl the conformance helper builds), checked offline.
+
+Every object of the base and of each overlay validates strictly against the Kubernetes schemas of the oldest
+supported release (1.30) and of the release the conformance API server runs (1.37); the DaemonSet has the
+hardening, scheduling and sizing docs/deploy.md promises; its arguments, environment and config file are accepted
+by the plugin's own CLI and config loader and point at what is mounted; each overlay changes exactly what it says.
+tests/conformance/apiserver/test_manifests_server.py applies the same renders to a real API server.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from plugin import cli
+from plugin import config as config_mod
+
+REPO = Path(__file__).resolve().parents[2]
+MANIFESTS = REPO / "manifests"
+VARIANTS = {
+    "base": MANIFESTS / "base",
+    "annotations-off": MANIFESTS / "overlays" / "annotations-off",
+    "node-condition": MANIFESTS / "overlays" / "node-condition",
+    "cdi": MANIFESTS / "overlays" / "cdi",
+    "remediation": MANIFESTS / "overlays" / "remediation",
+}
+# The oldest release the manifests support (ValidatingAdmissionPolicy v1, node name in Pod-bound tokens) and the
+# release of the conformance API server.
+KUBE_VERSIONS = ("1.30.0", "1.37.0")
+NAMESPACE = "gpu-health-system"
+NAME = "gpu-health-device-plugin"
+VAP = "gpu-health-device-plugin-own-node-only"
+
+ANNOTATIONS_OFF_ARGS = ["--annotations=false", "--events=false", "--correlate-on=none"]
+
+
+def _load_binaries() -> Any:
+    name = "gpu_health_apiserver_binaries"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            name, REPO / "tests" / "conformance" / "apiserver" / "_binaries.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+@pytest.fixture(scope="module")
+def kubectl() -> Path:
+    """kubectl v1.37.2 (kustomize built in), from the conformance build cache; skipped without Go unless CI."""
+    binaries = _load_binaries()
+    t = binaries.KUBECTL
+    path: Path = binaries.gobuild.build_or_skip(t.module, t.package, t.name, {"CGO_ENABLED": "0"},
+                                                version=t.version, ldflags=t.ldflags)
+    return path
+
+
+def render(kubectl: Path, directory: Path) -> list[dict[str, Any]]:
+    out = subprocess.run([str(kubectl), "kustomize", str(directory)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, f"kubectl kustomize {directory} failed:\n{out.stderr}"
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+@pytest.fixture(scope="module")
+def rendered(kubectl: Path) -> dict[str, list[dict[str, Any]]]:
+    return {variant: render(kubectl, path) for variant, path in VARIANTS.items()}
+
+
+def find(objs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    hits = [o for o in objs if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+    assert len(hits) == 1, f"expected one {kind} {name or ''}, found {len(hits)}"
+    return hits[0]
+
+
+def kinds(objs: list[dict[str, Any]]) -> set[tuple[str, str]]:
+    return {(o["kind"], o["metadata"]["name"]) for o in objs}
+
+
+def container(ds: dict[str, Any]) -> dict[str, Any]:
+    containers = ds["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    c: dict[str, Any] = containers[0]
+    return c
+
+
+_QUANTITY = re.compile(r"^(\d+(?:\.\d+)?)(m|Ki|Mi|Gi)?$")
+
+
+def quantity(q: str | int) -> float:
+    """A Kubernetes quantity as a number (bytes for memory, cores for CPU); only the suffixes the manifests use."""
+    m = _QUANTITY.match(str(q))
+    assert m, f"unexpected quantity {q!r}"
+    scale = {None: 1, "m": 1e-3, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30}[m.group(2)]
+    return float(m.group(1)) * scale
+
+
+BASE_OBJECTS = {
+    ("Namespace", NAMESPACE),
+    ("ServiceAccount", NAME),
+    ("ClusterRole", NAME),
+    ("ClusterRoleBinding", NAME),
+    ("ValidatingAdmissionPolicy", VAP),
+    ("ValidatingAdmissionPolicyBinding", VAP),
+    ("ConfigMap", "gpu-health-device-plugin-config"),
+    ("DaemonSet", NAME),
+}
+
+
+# Every object, every variant, strict schemas --------------------------------------------------------------------
+
+def test_base_holds_every_object(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    assert kinds(rendered["base"]) == BASE_OBJECTS
+
+
+def _objects(rendered: dict[str, list[dict[str, Any]]]) -> Iterator[tuple[str, dict[str, Any]]]:
+    for variant, objs in rendered.items():
+        for o in objs:
+            yield variant, o
+
+
+@pytest.mark.parametrize("version", KUBE_VERSIONS)
+def test_every_object_validates_strictly(rendered: dict[str, list[dict[str, Any]]], version: str) -> None:
+    problems = []
+    count = 0
+    for variant, obj in _objects(rendered):
+        where = f"{variant}: {obj['kind']}/{obj['metadata']['name']}"
+        try:
+            kubernetes_validate.validate(obj, version, strict=True)
+            count += 1
+        except kubernetes_validate.ValidationError as exc:
+            problems.append(f"{where}: {'.'.join(map(str, exc.path))}: {exc.message}")
+        except kubernetes_validate.SchemaNotFoundError as exc:
+            # A kind without a schema would pass unvalidated: that is a failure too.
+            problems.append(f"{where}: {exc.message}")
+    assert not problems, f"invalid against Kubernetes {version}:\n" + "\n".join(problems)
+    assert count == sum(len(v) for v in rendered.values())
+
+
+def test_strict_validation_rejects_a_misspelt_field(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    # Guards the test above: strict mode must reject unknown fields, not ignore them.
+    ds = copy.deepcopy(find(rendered["base"], "DaemonSet"))
+    ds["spec"]["template"]["spec"]["hostNetwrok"] = False
+    with pytest.raises(kubernetes_validate.ValidationError, match="hostNetwrok"):
+        kubernetes_validate.validate(ds, KUBE_VERSIONS[-1], strict=True)
+    container(ds)["securityContext"]["readOnlyRootFilesystem"] = "yes"
+    del ds["spec"]["template"]["spec"]["hostNetwrok"]
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(ds, KUBE_VERSIONS[-1], strict=True)
+
+
+def test_references_between_objects_resolve(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    for variant, objs in rendered.items():
+        names = kinds(objs)
+        ds = find(objs, "DaemonSet", NAME)
+        pod = ds["spec"]["template"]["spec"]
+        assert ("ServiceAccount", pod["serviceAccountName"]) in names, variant
+        for vol in pod["volumes"]:
+            if "configMap" in vol:
+                assert ("ConfigMap", vol["configMap"]["name"]) in names, variant
+        for o in objs:
+            if o["kind"] not in ("Namespace", "ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy",
+                                 "ValidatingAdmissionPolicyBinding"):
+                assert o["metadata"]["namespace"] == NAMESPACE, f"{variant}: {o['kind']}"
+        if ("ClusterRoleBinding", NAME) in names:
+            crb = find(objs, "ClusterRoleBinding", NAME)
+            assert ("ClusterRole", crb["roleRef"]["name"]) in names
+            assert crb["subjects"] == [{"kind": "ServiceAccount", "name": pod["serviceAccountName"],
+                                        "namespace": NAMESPACE}]
+        if ("ValidatingAdmissionPolicyBinding", VAP) in names:
+            assert ("ValidatingAdmissionPolicy", find(objs, "ValidatingAdmissionPolicyBinding")["spec"]["policyName"]
+                    ) in names
+        selector = ds["spec"]["selector"]["matchLabels"]
+        labels = ds["spec"]["template"]["metadata"]["labels"]
+        assert selector.items() <= labels.items(), variant
+
+
+# The DaemonSet ------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ds(rendered: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    return find(rendered["base"], "DaemonSet", NAME)
+
+
+def test_daemonset_scheduling(ds: dict[str, Any]) -> None:
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["priorityClassName"] == "system-node-critical"
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    # Terms are ORed; each must select GPU nodes only, and the GPU-feature-discovery label must be one of them.
+    selected = [{(e["key"], e["operator"], tuple(e["values"])) for e in t["matchExpressions"]} for t in terms]
+    assert {("nvidia.com/gpu.present", "In", ("true",))} in selected
+    assert all(len(s) == 1 and next(iter(s))[2] == ("true",) for s in selected)
+    tolerations = {(t["key"], t["operator"], t.get("effect", "")) for t in pod["tolerations"]}
+    assert tolerations == {("nvidia.com/gpu", "Exists", ""), ("CriticalAddonsOnly", "Exists", "")}
+    assert pod["runtimeClassName"] == "nvidia"
+
+
+def test_daemonset_rolls_one_plugin_per_node(ds: dict[str, Any]) -> None:
+    strategy = ds["spec"]["updateStrategy"]
+    assert strategy["type"] == "RollingUpdate"
+    # A surge pod would register the same resource next to the old plugin on the same node.
+    assert strategy["rollingUpdate"]["maxSurge"] == 0
+    assert strategy["rollingUpdate"]["maxUnavailable"] not in (0, "0%")
+    assert ds["spec"]["minReadySeconds"] > 0
+
+
+def test_daemonset_is_hardened(ds: dict[str, Any]) -> None:
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    for host_ns in ("hostNetwork", "hostPID", "hostIPC"):
+        assert not pod.get(host_ns, False), host_ns
+    sc = container(ds)["securityContext"]
+    assert sc["privileged"] is False
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert "add" not in sc["capabilities"]
+    # Root is a documented necessity (docs/deploy.md): said explicitly rather than inherited from the image.
+    assert sc["runAsUser"] == 0 and sc["runAsNonRoot"] is False
+
+
+def test_daemonset_mounts_only_what_it_needs(ds: dict[str, Any]) -> None:
+    pod = ds["spec"]["template"]["spec"]
+    host_paths = {v["name"]: (v["hostPath"]["path"], v["hostPath"]["type"]) for v in pod["volumes"]
+                  if "hostPath" in v}
+    assert host_paths == {
+        "device-plugins": ("/var/lib/kubelet/device-plugins", "Directory"),
+        "pod-resources": ("/var/lib/kubelet/pod-resources", "Directory"),
+        "state": ("/var/lib/gpu-health-device-plugin", "DirectoryOrCreate"),
+    }
+    other = {v["name"]: next(k for k in v if k != "name") for v in pod["volumes"] if "hostPath" not in v}
+    assert other == {"config": "configMap", "tmp": "emptyDir"}
+    mounts = {m["name"]: m for m in container(ds)["volumeMounts"]}
+    assert mounts.keys() == host_paths.keys() | other.keys()
+    assert mounts["pod-resources"]["readOnly"] is True
+    assert mounts["config"]["readOnly"] is True
+    for name in ("device-plugins", "state"):
+        assert not mounts[name].get("readOnly", False), name
+    # Host paths are mounted at the same path, so paths in logs and in `kubectl exec` match the node's.
+    for name, (path, _) in host_paths.items():
+        assert mounts[name]["mountPath"] == path
+
+
+def test_daemonset_node_name_from_downward_api(ds: dict[str, Any]) -> None:
+    env = {e["name"]: e for e in container(ds)["env"]}
+    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+
+
+def test_daemonset_probes_and_port(ds: dict[str, Any]) -> None:
+    c = container(ds)
+    assert c["ports"] == [{"name": "metrics", "containerPort": 9402, "protocol": "TCP"}]
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+
+
+def test_daemonset_resources_sized(ds: dict[str, Any]) -> None:
+    res = container(ds)["resources"]
+    # docs/benchmarks.md (bench/bench_deploy_rss.py): 48 MiB RSS on 8 GPUs, 59 MiB with cluster reporting on.
+    request, limit = quantity(res["requests"]["memory"]), quantity(res["limits"]["memory"])
+    assert 60 * 2**20 <= request <= limit
+    assert limit >= 2 * request, "headroom over the steady RSS for bursts (MIG, many transitions)"
+    assert 0 < quantity(res["requests"]["cpu"]) <= 0.1
+    assert "cpu" not in res["limits"], "a CPU limit throttles Allocate answers"
+
+
+def test_image_tag_is_the_package_version(ds: dict[str, Any]) -> None:
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    assert container(ds)["image"] == f"gpu-health-device-plugin:{version}"
+
+
+# The plugin accepts what the manifests give it ---------------------------------------------------------------
+
+def _plugin_config(objs: list[dict[str, Any]], tmp_path: Path) -> tuple[config_mod.Config, list[str]]:
+    """Load the config the container would: its args through the plugin's CLI parser, its env, its config file."""
+    ds = find(objs, "DaemonSet", NAME)
+    c = container(ds)
+    args = list(c.get("command", [])[1:]) + list(c["args"])
+    assert args[0] == "run"
+    parsed, unknown = cli.build_parser().parse_known_args(args)
+    assert not unknown, f"the DaemonSet passes {unknown}, which `gpu-health-plugin run` does not know"
+    env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
+    env["NODE_NAME"] = "gpu-node-1"  # what the downward API gives
+    config_path = Path(env.pop("GPU_HEALTH_CONFIG"))
+    # The file the ConfigMap mounts at that path, written where this test can read it.
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    vol = next(v for v in ds["spec"]["template"]["spec"]["volumes"] if v["name"] == "config")
+    cm = find(objs, "ConfigMap", vol["configMap"]["name"])
+    assert str(config_path.parent) == mounts["config"]
+    local = tmp_path / config_path.name
+    local.write_text(cm["data"][config_path.name])
+    flags = {o.name: getattr(parsed, o.name) for o in config_mod.OPTIONS}
+    return config_mod.load(flags, env, local), list(mounts.values())
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_plugin_accepts_the_daemonsets_args_env_and_config(rendered: dict[str, list[dict[str, Any]]],
+                                                           variant: str, tmp_path: Path) -> None:
+    cfg, mounts = _plugin_config(rendered[variant], tmp_path)
+    assert cfg.backend == "nvml"
+    assert str(cfg.device_plugin_dir) in mounts
+    assert str(cfg.state_dir) in mounts
+    assert cfg.health_socket_path.parent == cfg.state_dir
+    # Device specs name host paths; "/" makes them /dev/nvidia*, which the NVIDIA runtime also shows the container.
+    assert cfg.dev_root == Path("/")
+    assert cfg.log_format == "json"
+    assert cfg.cdi is (variant == "cdi")
+    assert cfg.node_name == "gpu-node-1"
+    api_access = variant != "annotations-off"
+    assert cfg.annotations is api_access
+    assert cfg.events is api_access
+    assert bool(cfg.correlate_on) is api_access
+    assert cfg.node_condition is (variant == "node-condition")
+    assert (cfg.remediate, cfg.annotate_pods) == (("evict", True) if variant == "remediation" else ("none", False))
+    # The probes and the Prometheus port are the port the plugin listens on; the pod network, not the host's.
+    port = container(find(rendered[variant], "DaemonSet"))["ports"][0]["containerPort"]
+    assert cfg.metrics_address == f"0.0.0.0:{port}"
+    assert str(cfg.pod_resources_socket.parent) in mounts
+
+
+def test_configmap_health_section_is_the_default_policy(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    doc = yaml.safe_load(find(rendered["base"], "ConfigMap")["data"]["config.yaml"])
+    assert config_mod.parse_health(doc["health"]) == config_mod.parse_health(None)
+
+
+# Overlays change exactly what they say -----------------------------------------------------------------------
+
+def _without(objs: list[dict[str, Any]], drop: set[tuple[str, str]]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(o["kind"], o["metadata"]["name"]): o for o in objs if (o["kind"], o["metadata"]["name"]) not in drop}
+
+
+def test_annotations_off_has_no_api_access(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    base, over = rendered["base"], rendered["annotations-off"]
+    gone = {("ClusterRole", NAME), ("ClusterRoleBinding", NAME), ("ValidatingAdmissionPolicy", VAP),
+            ("ValidatingAdmissionPolicyBinding", VAP)}
+    assert kinds(over) == BASE_OBJECTS - gone
+    ds = find(over, "DaemonSet")
+    assert ds["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+    assert container(ds)["args"] == ["run", *ANNOTATIONS_OFF_ARGS]
+    expected = _without(base, gone)
+    ds_expected = expected[("DaemonSet", NAME)] = copy.deepcopy(expected[("DaemonSet", NAME)])
+    ds_expected["spec"]["template"]["spec"]["automountServiceAccountToken"] = False
+    container(ds_expected)["args"].extend(ANNOTATIONS_OFF_ARGS)
+    assert _without(over, set()) == expected
+
+
+def test_node_condition_adds_only_the_status_grant(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    base, over = rendered["base"], rendered["node-condition"]
+    status_rule = {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]}
+    base_rules = find(base, "ClusterRole")["rules"]
+    assert not any("nodes/status" in r["resources"] for r in base_rules)
+    assert find(over, "ClusterRole")["rules"] == [*base_rules, status_rule]
+    assert container(find(over, "DaemonSet"))["args"] == ["run", "--node-condition=true"]
+    expected = copy.deepcopy(_without(base, set()))
+    expected[("ClusterRole", NAME)]["rules"].append(status_rule)
+    container(expected[("DaemonSet", NAME)])["args"].append("--node-condition=true")
+    assert _without(over, set()) == expected
+
+
+def test_cdi_only_turns_on_cdi(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    over = rendered["cdi"]
+    expected = copy.deepcopy(_without(rendered["base"], set()))
+    container(expected[("DaemonSet", NAME)])["args"].append("--cdi=true")
+    assert _without(over, set()) == expected
+
+
+def _own_overlay(tmp_path: Path, kustomization: dict[str, Any]) -> Path:
+    """An operator's overlay next to a copy of manifests/ (kustomize only loads files below the overlay's root)."""
+    shutil.copytree(MANIFESTS, tmp_path / "manifests")
+    overlay = tmp_path / "mine"
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    return tmp_path
+
+
+def test_remediation_adds_only_its_pod_grants(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    base, over = rendered["base"], rendered["remediation"]
+    added = kinds(over) - kinds(base)
+    assert added == {("ClusterRole", f"{NAME}-remediation"), ("ClusterRoleBinding", f"{NAME}-remediation")}
+    rules = find(over, "ClusterRole", f"{NAME}-remediation")["rules"]
+    granted = {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+    assert granted == {("", "pods", v) for v in ("get", "list", "watch", "patch")} | {("", "pods/eviction", "create")}
+    crb = find(over, "ClusterRoleBinding", f"{NAME}-remediation")
+    assert crb["subjects"] == [{"kind": "ServiceAccount", "name": NAME, "namespace": NAMESPACE}]
+    expected = copy.deepcopy(_without(base, set()))
+    container(expected[("DaemonSet", NAME)])["args"] += ["--remediate=evict", "--annotate-pods=true"]
+    assert _without(over, added) == expected
+
+
+def test_components_compose(kubectl: Path, tmp_path: Path) -> None:
+    # Overlays are thin wrappers over components so that an operator can combine them in one overlay.
+    root = _own_overlay(tmp_path, {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": ["../manifests/base"],
+        "components": ["../manifests/components/node-condition", "../manifests/components/cdi"],
+    })
+    objs = render(kubectl, root / "mine")
+    assert container(find(objs, "DaemonSet"))["args"] == ["run", "--node-condition=true", "--cdi=true"]
+    assert any("nodes/status" in r["resources"] for r in find(objs, "ClusterRole")["rules"])
+
+
+def test_runtime_class_can_be_dropped_as_documented(kubectl: Path, tmp_path: Path) -> None:
+    # docs/deploy.md gives this patch for clusters whose default runtime is NVIDIA's.
+    doc = (REPO / "docs" / "deploy.md").read_text()
+    snippet = re.search(r"<!-- runtime-class-patch -->\n```yaml\n(.*?)```", doc, re.S)
+    assert snippet, "docs/deploy.md lost its runtimeClassName patch"
+    kustomization = yaml.safe_load(snippet.group(1))
+    kustomization["resources"] = ["../manifests/base"]
+    objs = render(kubectl, _own_overlay(tmp_path, kustomization) / "mine")
+    assert "runtimeClassName" not in find(objs, "DaemonSet")["spec"]["template"]["spec"]
+    kubernetes_validate.validate(find(objs, "DaemonSet"), KUBE_VERSIONS[-1], strict=True)

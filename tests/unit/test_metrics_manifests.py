@@ -1,0 +1,92 @@
+"""The Grafana dashboard and the PrometheusRule in manifests/ only name metrics the plugin really exports: each name
+they use is checked against a scrape of the real collector with every source switched on."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from plugin.devices.model import GpuEvent
+from plugin.devices.nvml import NvmlBackend
+from plugin.health.monitor import Monitor
+from plugin.health.policy import HealthConfig
+from plugin.health.state import NodeState
+from plugin.kubelet.allocation import AllocationConfig
+from plugin.kubelet.resources import WholeGpus
+from plugin.kubelet.supervisor import Supervisor
+from plugin.outlets.correlation import CorrelationStats
+from plugin.outlets.kube import ReporterStatus
+from plugin.outlets.metrics import Sources, build_registry
+from tests.fakes.fake_pynvml import eight_gpu_node
+
+REPO = Path(__file__).resolve().parents[2]
+RULES = REPO / "manifests" / "alerts" / "prometheusrule.yaml"
+DASHBOARD = REPO / "manifests" / "dashboards" / "gpu-health-device-plugin.json"
+METRIC = re.compile(r"\b((?:gpu_health|process)_[a-z0-9_]+)\b")
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
+    backend = NvmlBackend(eight_gpu_node())
+    state = NodeState()
+    monitor = Monitor(backend, state, HealthConfig(), 5.0, threading.Event())
+    tmp = tmp_path_factory.mktemp("m")
+    sup = Supervisor(tmp / "dp", [WholeGpus()], state, AllocationConfig(dev_root=tmp), threading.Event())
+    registry = build_registry(Sources(state, monitor, backend, sup, annotations=lambda: ReporterStatus(node="n"),
+                                      correlation=CorrelationStats))
+    # Labelled counters have no series until something happened: make a transition and an XID happen.
+    monitor.poll_once()
+    monitor.handle_events([GpuEvent("GPU-fake-0", "xid", 79, 0.0)])
+    names = set()
+    for fam in text_string_to_metric_families(generate_latest(registry).decode()):
+        names.update(s.name for s in fam.samples)
+    backend.close()
+    return names
+
+
+def rules() -> list[dict[str, Any]]:
+    doc = yaml.safe_load(RULES.read_text())
+    assert doc["kind"] == "PrometheusRule" and doc["apiVersion"] == "monitoring.coreos.com/v1"
+    return [r for g in doc["spec"]["groups"] for r in g["rules"]]
+
+
+def dashboard_exprs() -> list[str]:
+    dash = json.loads(DASHBOARD.read_text())
+    return [t["expr"] for p in dash["panels"] for t in p["targets"]] + [
+        v["definition"] for v in dash["templating"]["list"] if "definition" in v]
+
+
+def test_the_required_alerts_exist_and_are_complete() -> None:
+    by_name = {r["alert"]: r for r in rules()}
+    for required in ("GPUHealthDeviceUnhealthy", "GPUHealthPluginNotRegistered", "GPUHealthAnnotationWritesFailing"):
+        assert required in by_name
+    for r in by_name.values():
+        assert r["labels"]["severity"] in ("critical", "warning", "info"), r["alert"]
+        assert r["annotations"]["summary"] and r["annotations"]["description"], r["alert"]
+
+
+@pytest.mark.parametrize("source", ["alerts", "dashboard"])
+def test_every_metric_named_is_exported(exported: set[str], source: str) -> None:
+    exprs = [r["expr"] for r in rules()] if source == "alerts" else dashboard_exprs()
+    used = {m for e in exprs for m in METRIC.findall(e)}
+    assert used, "no metric names found: the pattern is broken"
+    missing = sorted(used - exported)
+    assert not missing, f"{source} name metrics the plugin does not export: {missing}"
+
+
+def test_dashboard_is_importable() -> None:
+    dash = json.loads(DASHBOARD.read_text())
+    assert dash["uid"] and dash["title"] and dash["schemaVersion"] >= 30
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+    for p in dash["panels"]:
+        assert p["datasource"]["uid"] == "${datasource}", p["title"]
+        assert all(t["refId"] for t in p["targets"])
