@@ -226,6 +226,8 @@ OPTIONS: tuple[Option, ...] = (
            "SECONDS"),
     Option("report_resync_interval", _float_pos, 600.0, "seconds between re-reads of the node that repair "
            "manual edits of our keys", "SECONDS"),
+    Option("report_backoff_max", _float_pos, 300.0, "longest wait between retries while the API server is "
+           "unreachable or refusing (exponential back-off with jitter up to this)", "SECONDS"),
 )
 BY_NAME = {o.name: o for o in OPTIONS}
 
@@ -263,6 +265,7 @@ class Config:
     report_debounce: float = 1.0
     report_min_interval: float = 10.0
     report_resync_interval: float = 600.0
+    report_backoff_max: float = 300.0
     health: HealthConfig = field(default_factory=HealthConfig)
     sharing: SharingConfig = field(default_factory=SharingConfig)
     source: dict[str, str] = field(default_factory=dict, compare=False)  # field -> flag/env/file/default

@@ -570,6 +570,6 @@ def make_reporter(cfg: Config, state: NodeState) -> KubeReporter | None:
         node_name=cfg.node_name, prefix=cfg.annotation_prefix, annotations=cfg.annotations, events=cfg.events,
         condition=cfg.node_condition, condition_type=cfg.node_condition_type, debounce_s=cfg.report_debounce,
         min_interval_s=cfg.report_min_interval, resync_s=cfg.report_resync_interval,
-        max_bytes=cfg.annotation_max_bytes)
+        max_bytes=cfg.annotation_max_bytes, backoff_max_s=cfg.report_backoff_max)
     kubeconfig = cfg.kubeconfig
     return KubeReporter(state, settings, lambda: LightkubeApi(kubeconfig))
