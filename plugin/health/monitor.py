@@ -43,7 +43,6 @@ class Monitor:
         self._threads: list[threading.Thread] = []
         self.store = store
         self.persister: Persister | None = None
-        self.listeners: list[Callable[[list[Transition]], None]] = []
         # Liveness: when each loop last went round; probes compare these with the clock.
         self.last_poll_at = 0.0
         self.last_event_loop_at = 0.0
@@ -224,9 +223,6 @@ class Monitor:
         for t in transitions:
             log.info("transition #%d %s: %s -> %s %s", t.seq, t.id, t.from_state, t.to_state,
                      ",".join(r.code for r in t.reasons) or "-")
-        for listener in self.listeners:
-            if transitions:
-                listener(transitions)
         return transitions
 
     def _collect(self) -> dict[str, Any]:

@@ -33,7 +33,6 @@ class PluginView:
     connected: bool = True
     updates: int = 0
     stream: object | None = None
-    registered_at: float = 0.0
 
 
 class KubeletStandin(api_pb2_grpc.RegistrationServicer):
@@ -116,7 +115,6 @@ class KubeletStandin(api_pb2_grpc.RegistrationServicer):
                 self._cond.notify_all()
             context.abort(grpc.StatusCode.UNAVAILABLE, msg)
         view = PluginView(name, request.endpoint, options, channel, stub)
-        view.registered_at = received
         with self._cond:
             old = self.plugins.get(name)
             self.plugins[name] = view
