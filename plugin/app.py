@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import json
 import logging
 import signal
@@ -121,16 +119,6 @@ class App:
         self.backend.close()
 
 
-def release_startup_memory() -> None:
-    """Start-up (imports, config parsing, the first poll) leaves freed memory that glibc keeps mapped; a DaemonSet on
-    every GPU node pays for it on every node, so hand it back once."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
-        pass
-
-
 def run(cfg: Config) -> int:
     log.info("effective config: %s", json.dumps(cfg.effective(), sort_keys=True))
     app = App(cfg)
@@ -143,7 +131,6 @@ def run(cfg: Config) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     app.start()
-    release_startup_memory()
     while not app.stop.wait(1.0):
         pass
     app.shutdown()

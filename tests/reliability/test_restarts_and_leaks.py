@@ -3,7 +3,6 @@ SIGKILL in the middle of state-file writes. Each bounded in count and time."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -15,23 +14,13 @@ import grpc
 import pytest
 
 from api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from bench._common import fd_count, thread_count
 from plugin.health.state import StateStore
 from plugin.kubelet.standin import KubeletStandin
 from tests.conftest import NodeFile
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
-
-
-def fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def threads(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("Threads:"):
-            return int(line.split()[1])
-    return 0
 
 
 # gRPC's thread pools start workers lazily up to their bound, so a few more threads than at the baseline is growth of
@@ -73,7 +62,7 @@ def test_100_kubelet_restarts(plugin: tuple[subprocess.Popen[str], KubeletStandi
     assert kubelet.wait_for(lambda: kubelet.capacity() == (8, 7), 10)
     kubelet.restart()  # one restart to warm up every code path before the baseline
     assert kubelet.wait_for(lambda: len(kubelet.registrations) == 2 and kubelet.capacity() == (8, 7), 10)
-    base_fds, base_threads = fds(proc.pid), threads(proc.pid)
+    base_fds, base_threads = fd_count(proc.pid), thread_count(proc.pid)
     for i in range(100):
         n = len(kubelet.registrations)
         kubelet.restart()
@@ -82,8 +71,8 @@ def test_100_kubelet_restarts(plugin: tuple[subprocess.Popen[str], KubeletStandi
             f"restart {i}: not re-registered with health kept")
     assert len(kubelet.registrations) == 102  # exactly one registration per restart
     assert kubelet.health(node.uuids[6]) == "Unhealthy"
-    assert settles(lambda: fds(proc.pid), base_fds) <= base_fds
-    assert settles(lambda: threads(proc.pid), base_threads) <= base_threads + POOL_SLACK
+    assert settles(lambda: fd_count(proc.pid), base_fds) <= base_fds
+    assert settles(lambda: thread_count(proc.pid), base_threads) <= base_threads + POOL_SLACK
 
 
 def test_1000_list_and_watch_cycles(plugin: tuple[subprocess.Popen[str], KubeletStandin, NodeFile]) -> None:
@@ -95,13 +84,13 @@ def test_1000_list_and_watch_cycles(plugin: tuple[subprocess.Popen[str], Kubelet
             s = stub.ListAndWatch(api_pb2.Empty())
             next(s)
             s.cancel()
-        base_fds, base_threads = fds(proc.pid), threads(proc.pid)
+        base_fds, base_threads = fd_count(proc.pid), thread_count(proc.pid)
         for i in range(1000):
             s = stub.ListAndWatch(api_pb2.Empty())
             assert len(next(s).devices) == 8, i
             s.cancel()
-    assert settles(lambda: fds(proc.pid), base_fds) <= base_fds
-    assert settles(lambda: threads(proc.pid), base_threads) <= base_threads + POOL_SLACK
+    assert settles(lambda: fd_count(proc.pid), base_fds) <= base_fds
+    assert settles(lambda: thread_count(proc.pid), base_threads) <= base_threads + POOL_SLACK
     # Still serving normally.
     assert kubelet.capacity() == (8, 8)
     node.set(0, nvlink_down=[1])
