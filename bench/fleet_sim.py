@@ -7,6 +7,12 @@ driver rollout that hits 10% of the nodes within one minute. Each node runs the 
 scheduler lets it and its desired annotations differ from what it last wrote. Compared with one write per
 transition (no coalescing).
 
+Idle polling is measured, not assumed: ``idle_poll_check`` runs one node's real health engine (the simulated backend,
+plugin/health/monitor.py) and computes its desired annotations (plugin/outlets/annotations.py) after each of a few
+polls of an unchanged node. If they moved (the defect of issue 12: ``since`` set to the time of each poll), every
+node would want a write at each poll and write at its token-bucket rate; the figure for that is reported beside
+the transition-driven ones, so the two can be compared.
+
 Model (stated, not measured):
 - a remediation: one GPU goes Unhealthy; after a repair time uniform in 10..60 min it comes back Healthy
   (2 transitions);
@@ -26,11 +32,17 @@ import json
 import math
 import random
 import sys
+import threading
 from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from plugin.devices.simulated import SimulatedBackend
+from plugin.health.monitor import Monitor
+from plugin.health.policy import HealthConfig
+from plugin.health.state import NodeState
+from plugin.outlets.annotations import desired_annotations, last_transitions
 from plugin.outlets.kube import Backoff, WriteScheduler
 
 DAY = 86_400.0
@@ -46,8 +58,30 @@ class NodeSim:
         self.wake_at = math.inf
 
 
+def idle_poll_check(poll_interval: float, polls: int = 20) -> dict[str, object]:
+    """Poll an unchanged node with the real engine; count the polls after which its desired annotations moved."""
+    now = [1_767_225_600.0]
+    state = NodeState()
+    monitor = Monitor(SimulatedBackend(clock=lambda: now[0]), state, HealthConfig(), poll_interval,
+                      threading.Event(), clock=lambda: now[0])
+    monitor.poll_once()
+
+    def desired() -> dict[str, str]:
+        return desired_annotations(state.snapshot(), last_transitions(state.history())).annotations
+
+    before, moved = desired(), 0
+    for _ in range(polls):
+        now[0] += poll_interval
+        monitor.poll_once()
+        after = desired()
+        moved += after != before
+        before = after
+    return {"poll_interval_s": poll_interval, "polls": polls, "polls_that_moved_annotations": moved}
+
+
 def simulate(nodes: int, gpus: int, rate_per_1000: float, rollout_fraction: float, seed: int,
-             debounce: float, min_interval: float) -> dict[str, object]:
+             debounce: float, min_interval: float, poll_interval: float = 5.0) -> dict[str, object]:
+    idle = idle_poll_check(poll_interval)
     rng = random.Random(seed)
     transitions: list[tuple[float, int]] = []  # (time, node)
     # Poisson arrivals: the expected count per day, at exponential gaps.
@@ -124,6 +158,12 @@ def simulate(nodes: int, gpus: int, rate_per_1000: float, rollout_fraction: floa
         "ratio_writes": round(total_writes / n_trans, 3) if n_trans else None,
         "ratio_peak_1s": round(peak(writes, 1) / peak(per_transition, 1), 3) if per_transition else None,
         "resync_reads_per_s": round(nodes / 600.0, 2),
+        "idle_polls": idle,
+        # Writes/s that idle polling adds on top of the transitions: none when polls leave the annotations alone,
+        # else each node writes once per token (or per poll, if polls are rarer).
+        "idle_writes_per_s": (round(nodes / max(min_interval, poll_interval), 1)
+                              if idle["polls_that_moved_annotations"] else 0.0),
+        "idle_writes_per_s_if_each_poll_moved_annotations": round(nodes / max(min_interval, poll_interval), 1),
     }
 
 
@@ -136,8 +176,10 @@ def main() -> int:
     ap.add_argument("--debounce", type=float, default=1.0)
     ap.add_argument("--min-interval", type=float, default=10.0)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--poll-interval", type=float, default=5.0, help="the plugin's health poll interval")
     a = ap.parse_args()
-    print(json.dumps(simulate(a.nodes, a.gpus, a.rate, a.rollout, a.seed, a.debounce, a.min_interval), indent=2))
+    print(json.dumps(simulate(a.nodes, a.gpus, a.rate, a.rollout, a.seed, a.debounce, a.min_interval,
+                              a.poll_interval), indent=2))
     return 0
 
 

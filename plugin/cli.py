@@ -1,39 +1,74 @@
-"""Command line: ``run`` (the default), ``demo``, ``status`` and ``watch``."""
+"""Command line: ``run`` (the default), ``demo``, ``status``, ``watch`` and ``simulated-node``."""
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
 import json
+import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from plugin import config as config_mod
 
-SUBCOMMANDS = ("run", "demo", "status", "watch")
+SUBCOMMANDS = ("run", "demo", "status", "watch", "simulated-node")
 EXIT_CONFIG = 2
 
 
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", type=Path, metavar="FILE", default=os.environ.get("GPU_HEALTH_CONFIG"),
-                   help="versioned config file (YAML or JSON, version: v1); env GPU_HEALTH_CONFIG")
+    p.add_argument("--config", type=Path, metavar="FILE", default=None,
+                   help="versioned config file (YAML or JSON, version: v1; env GPU_HEALTH_CONFIG; default: none)")
     for o in config_mod.OPTIONS:
-        help_text = f"{o.help} (env {o.env}; default {o.default})"
+        # The values are checked by config.load, not by argparse, so a bad one is one line naming the flag
+        # (argparse would print the whole usage first); the choices are still shown here.
+        default = config_mod.default_text(o)
+        help_text = f"{o.help} (env {o.env}" + (f"; default: {default})" if default is not None else ")")
+        help_text = help_text.replace("%", "%%")
         if o.is_bool:
             p.add_argument(o.flag, dest=o.name, nargs="?", const="true", default=None, metavar="BOOL",
                            help=help_text)
         else:
-            p.add_argument(o.flag, dest=o.name, default=None, metavar=o.metavar or o.name.upper(), help=help_text)
+            metavar = "{" + ",".join(o.choices) + "}" if o.choices else o.metavar or o.name.upper()
+            p.add_argument(o.flag, dest=o.name, default=None, metavar=metavar, help=help_text)
+
+
+def _option(name: str) -> config_mod.Option:
+    return next(o for o in config_mod.OPTIONS if o.name == name)
 
 
 def _health_socket_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--health-socket", type=Path, default=None,
-                   help="health API socket (default: env GPU_HEALTH_HEALTH_SOCKET, else "
-                        "/var/lib/gpu-health-device-plugin/health.sock)")
-    p.add_argument("--output", "-o", choices=("table", "json"), default="table")
+    sock, state = _option("health_socket"), _option("state_dir")
+    p.add_argument("--health-socket", type=Path, default=None, metavar="PATH",
+                   help=f"the plugin's health API socket (env {sock.env}; default: health.sock in the state dir)")
+    p.add_argument("--state-dir", type=Path, default=None, metavar="DIR",
+                   help=f"the plugin's state dir, where health.sock lives unless --health-socket or {sock.env} "
+                        f"says otherwise (env {state.env}; default {state.default})")
+    p.add_argument("--output", "-o", choices=("table", "json"), default="table",
+                   help="output format: %(choices)s (default %(default)s)")
+
+
+def _seconds(v: str) -> float:
+    """argparse reports a failure here as one line naming the flag, with exit 2."""
+    try:
+        f = float(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {v!r}") from None
+    if not (f > 0 and math.isfinite(f)):
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds, got {v!r}")
+    return f
+
+
+def _non_negative(v: str) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {v!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {v!r}")
+    return n
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,14 +80,21 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="serve the device plugin (the DaemonSet's job)")
     _add_run_flags(run)
     demo = sub.add_parser("demo", help="run on a simulated 8-GPU node against an embedded kubelet stand-in")
-    demo.add_argument("--duration", type=float, default=20.0, help="seconds of scripted faults (default 20)")
+    demo.add_argument("--duration", type=_seconds, default=20.0, metavar="SECONDS",
+                      help="seconds of scripted faults, a positive number (default 20)")
     demo.add_argument("--plain", action="store_true", help="print updates line by line instead of redrawing")
     status = sub.add_parser("status", help="print every device's state and reasons from a running plugin")
     _health_socket_arg(status)
     watch = sub.add_parser("watch", help="stream transitions from a running plugin, one line each")
     _health_socket_arg(watch)
-    watch.add_argument("--since", type=int, default=0, help="resume after this sequence number")
-    watch.add_argument("--count", type=int, default=0, help="exit after this many transitions (0: never)")
+    watch.add_argument("--since", type=_non_negative, default=0, metavar="SEQ",
+                       help="resume after this sequence number (default 0: from now)")
+    watch.add_argument("--count", type=_non_negative, default=0, metavar="N",
+                       help="exit after this many transitions (default 0: never)")
+    node = sub.add_parser("simulated-node", help="write the built-in simulated 8-GPU node (the demo's) as a node "
+                                                 "file for --backend simulated --simulated-node")
+    node.add_argument("--write", type=Path, required=True, metavar="FILE", help="where to write it")
+    node.add_argument("--force", action="store_true", help="replace FILE if it exists")
     return parser
 
 
@@ -67,43 +109,90 @@ def main(argv: Sequence[str] | None = None) -> int:
         from plugin.demo import run_demo
         return run_demo(duration_s=args.duration, plain=args.plain or not sys.stdout.isatty())
     if args.command in ("status", "watch"):
-        return _client(args)
+        try:
+            rc = _client(args)
+            sys.stdout.flush()  # a reader gone away is seen here, not in the interpreter's final flush
+            return rc
+        except BrokenPipeError:
+            # `status | head -1`: the reader took what it wanted. That is success (as a `--count` watch that
+            # reached its count is), so exit 0 and print nothing; fd 1 goes to /dev/null so the interpreter's
+            # own flush at exit cannot fail again.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
+        except KeyboardInterrupt:  # Ctrl-C before the stream started (watch stops on it with 0 by design)
+            return 130
+    if args.command == "simulated-node":
+        return _write_simulated_node(args.write, args.force)
     return 1
+
+
+def _write_simulated_node(path: Path, force: bool) -> int:
+    from plugin.devices.simulated import write_node_file
+
+    if path.exists() and not force:
+        print(f"gpu-health-plugin: --write {path}: the file exists (add --force to replace it)", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        write_node_file(path)
+    except OSError as exc:
+        print(f"gpu-health-plugin: --write {path}: cannot write it: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    print(f"wrote the built-in 8-GPU node to {path}; its format: docs/simulated-node.md", file=sys.stderr)
+    return 0
 
 
 def _run(args: argparse.Namespace) -> int:
     from plugin import logs
 
     flags = {o.name: getattr(args, o.name) for o in config_mod.OPTIONS}
+    config_file, config_label = args.config, "--config"
+    if config_file is None and os.environ.get("GPU_HEALTH_CONFIG"):
+        config_file, config_label = Path(os.environ["GPU_HEALTH_CONFIG"]), "GPU_HEALTH_CONFIG"
     try:
-        cfg = config_mod.load(flags, os.environ, args.config)
+        cfg = config_mod.load(flags, os.environ, config_file, config_label)
     except config_mod.ConfigError as exc:
         print(f"gpu-health-plugin: invalid configuration: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     logs.setup(cfg.log_level, cfg.log_format)
-    from plugin.app import run
+    from plugin.app import StartupError, run
     from plugin.devices.backend import BackendError
     from plugin.devices.simulated import NodeFileError
 
+    # Exit 2: the configuration or the node file is wrong. Exit 1: the environment is (a path that cannot be
+    # used, another instance on the state dir, NVML missing).
     try:
         return run(cfg)
     except NodeFileError as exc:
-        print(f"gpu-health-plugin: simulated node file rejected: {exc}", file=sys.stderr)
+        print(f"gpu-health-plugin: {cfg.name_of('simulated_node')}: simulated node file rejected: {exc}",
+              file=sys.stderr)
         return EXIT_CONFIG
+    except StartupError as exc:
+        print(f"gpu-health-plugin: cannot start: {exc}", file=sys.stderr)
+        return 1
     except BackendError as exc:
         print(f"gpu-health-plugin: cannot start the {cfg.backend} backend: {exc}\n"
               "  (set --fail-on-init-error=false to keep serving with no devices)", file=sys.stderr)
         return 1
+    except OSError as exc:
+        # A path problem the start-up checks did not foresee: still one line, not a traceback.
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(f"gpu-health-plugin: cannot start: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 1
 
 
-def _socket_path(args: argparse.Namespace) -> Path:
-    if args.health_socket:
-        return Path(args.health_socket)
-    env = os.environ.get("GPU_HEALTH_HEALTH_SOCKET")
-    if env:
-        return Path(env)
-    state = os.environ.get("GPU_HEALTH_STATE_DIR", "/var/lib/gpu-health-device-plugin")
-    return Path(state) / "health.sock"
+def _socket_path(args: argparse.Namespace, env: Mapping[str, str]) -> Path:
+    """The socket the plugin serves its health API on, found the way the plugin picks it: --health-socket, then
+    GPU_HEALTH_HEALTH_SOCKET, then health.sock in the state dir (--state-dir, GPU_HEALTH_STATE_DIR, the default)."""
+    sock, state = _option("health_socket"), _option("state_dir")
+    if args.health_socket is not None:
+        path = Path(args.health_socket)
+    elif env.get(sock.env):
+        path = Path(env[sock.env])
+    else:
+        state_dir = args.state_dir or (Path(env[state.env]) if env.get(state.env) else Path(state.default))
+        path = Path(state_dir) / "health.sock"
+    # gRPC reads unix://a/b as host a, path /b: a relative path has to be made absolute to mean what it says.
+    return path.absolute()
 
 
 def _ts(t: float) -> str:
@@ -119,20 +208,34 @@ def _client(args: argparse.Namespace) -> int:
 
     from api.gpuhealth.v1alpha1 import health_pb2, health_pb2_grpc
 
-    path = _socket_path(args)
+    path = _socket_path(args, os.environ)
+    where = "set --health-socket PATH or --state-dir DIR (env GPU_HEALTH_HEALTH_SOCKET, GPU_HEALTH_STATE_DIR)"
     if not path.exists():
-        print(f"gpu-health-plugin: no health socket at {path} (is the plugin running? see --health-socket)",
-              file=sys.stderr)
+        print(f"gpu-health-plugin: no health socket at {path} (is the plugin running? {where})", file=sys.stderr)
+        return 1
+    if not path.is_socket():
+        print(f"gpu-health-plugin: {path} is not a socket ({where})", file=sys.stderr)
         return 1
     with grpc.insecure_channel(f"unix://{path}") as ch:
         stub = health_pb2_grpc.DeviceHealthStub(ch)
         try:
-            if args.command == "status":
-                resp = stub.List(health_pb2.ListRequest(), timeout=10)
-                _print_status(resp, args.output)
-                return 0
-            seen = 0
-            for ev in stub.Watch(health_pb2.WatchRequest(since_seq=args.since)):
+            # List first, for both commands: it answers at once, so "nothing listens on the socket" (a plugin that
+            # died without removing it) is an error now rather than a watch that waits forever.
+            resp = stub.List(health_pb2.ListRequest(), timeout=10)
+        except grpc.RpcError as exc:
+            print(f"gpu-health-plugin: cannot reach the plugin at {path}: {exc.code().name}: {exc.details()} "
+                  "(is it running?)", file=sys.stderr)
+            return 1
+        if args.command == "status":
+            _print_status(resp, args.output)
+            return 0
+        # On stderr, so stdout carries only transitions in either output format.
+        print(f"gpu-health-plugin: connected to the plugin at {path} ({len(resp.devices)} devices, last transition "
+              f"#{resp.seq}); waiting for transitions (Ctrl-C to stop)", file=sys.stderr, flush=True)
+        seen = 0
+        try:
+            # Without --since, resume from what List saw: a transition between the two calls is still shown.
+            for ev in stub.Watch(health_pb2.WatchRequest(since_seq=args.since or resp.seq)):
                 if ev.WhichOneof("event") != "transition":
                     continue
                 t = ev.transition
@@ -146,11 +249,15 @@ def _client(args: argparse.Namespace) -> int:
                 if args.count and seen >= args.count:
                     return 0
         except grpc.RpcError as exc:
-            print(f"gpu-health-plugin: health API error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            print(f"gpu-health-plugin: lost the plugin at {path}: {exc.code().name}: {exc.details()}",
+                  file=sys.stderr)
             return 1
         except KeyboardInterrupt:
             return 0
-    return 0
+    # The server ends a Watch only when it shuts down: the plugin stopped or is restarting.
+    print(f"gpu-health-plugin: the plugin at {path} closed the stream (it stopped or is restarting)",
+          file=sys.stderr)
+    return 1
 
 
 def _print_status(resp: Any, output: str) -> None:

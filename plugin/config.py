@@ -8,6 +8,7 @@ field and the CLI exits 2. ``docs/config.md`` is generated from this schema.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -52,18 +53,28 @@ def _float_pos(v: Any) -> float:
     return f
 
 
-def _choice(*options: str) -> Callable[[Any], str]:
-    def parse(v: Any) -> str:
-        if v not in options:
-            raise ValueError(f"expected one of {', '.join(options)}, got {v!r}")
+class _Choice:
+    """A parser for one of a fixed set of words; the set is kept so --help can list it."""
+
+    def __init__(self, *options: str) -> None:
+        self.options = options
+
+    def __call__(self, v: Any) -> str:
+        if v not in self.options:
+            raise ValueError(f"expected one of {', '.join(self.options)}, got {v!r}")
         return str(v)
-    return parse
+
+
+def _choice(*options: str) -> _Choice:
+    return _Choice(*options)
 
 
 def _path(v: Any) -> Path:
+    """An absolute path: a relative one is taken against the working directory now, at load time, so that what
+    the start-up log shows is what every later open, bind and watch uses."""
     if not isinstance(v, (str, Path)) or not str(v):
         raise ValueError(f"expected a path, got {v!r}")
-    return Path(v)
+    return Path(os.path.abspath(v))
 
 
 def _opt_path(v: Any) -> Path | None:
@@ -173,6 +184,25 @@ class Option:
     def is_bool(self) -> bool:
         return self.parse is _bool
 
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return self.parse.options if isinstance(self.parse, _Choice) else ()
+
+
+def default_text(o: Option) -> str | None:
+    """The default as a user would write it (``5``, ``false``, ``Unhealthy``); None when the default is "unset",
+    whose meaning the option's help states (e.g. health.sock in the state dir)."""
+    d = o.default
+    if d is None or d == "":
+        return None
+    if isinstance(d, bool):
+        return "true" if d else "false"
+    if isinstance(d, float) and d.is_integer():
+        return str(int(d))
+    if isinstance(d, tuple):
+        return ",".join(d) if d else "none"
+    return str(d)
+
 
 OPTIONS: tuple[Option, ...] = (
     Option("backend", _choice("nvml", "simulated"), "nvml", "where device readings come from"),
@@ -190,7 +220,8 @@ OPTIONS: tuple[Option, ...] = (
            "as the resource above) or mixed (one resource per profile, e.g. nvidia.com/mig-1g.10gb)"),
     Option("cdi", _bool, False, "also return CDI device names (nvidia.com/gpu=<uuid>) from Allocate"),
     Option("allow_unhealthy_allocation", _bool, False,
-           "let Allocate hand out devices the plugin reports Unhealthy (default: FAILED_PRECONDITION)"),
+           "let Allocate hand out devices the plugin reports Unhealthy (otherwise Allocate fails with "
+           "FAILED_PRECONDITION)"),
     Option("poll_interval", _float_pos, 5.0, "seconds between health polls", "SECONDS"),
     Option("fail_on_init_error", _bool, True,
            "exit non-zero when NVML cannot start; false keeps serving with no healthy devices"),
@@ -269,16 +300,22 @@ class Config:
     health: HealthConfig = field(default_factory=HealthConfig)
     sharing: SharingConfig = field(default_factory=SharingConfig)
     source: dict[str, str] = field(default_factory=dict, compare=False)  # field -> flag/env/file/default
+    # field -> the name the user set it under (--state-dir, GPU_HEALTH_STATE_DIR, plugin.stateDir), for messages
+    set_by: dict[str, str] = field(default_factory=dict, compare=False)
 
     @property
     def health_socket_path(self) -> Path:
         return self.health_socket or self.state_dir / "health.sock"
 
+    def name_of(self, option: str) -> str:
+        """How to name an option in a message: as the user set it, else by its flag."""
+        return self.set_by.get(option) or BY_NAME[option].flag
+
     def effective(self) -> dict[str, Any]:
         """What is in force, for the start-up log (JSON-safe)."""
         out: dict[str, Any] = {}
         for f in fields(self):
-            if f.name in ("health", "source", "sharing"):
+            if f.name in ("health", "source", "set_by", "sharing"):
                 continue
             v = getattr(self, f.name)
             out[f.name] = str(v) if isinstance(v, Path) else v
@@ -343,7 +380,7 @@ def parse_health(doc: Any) -> HealthConfig:
     if not isinstance(doc, dict):
         raise ConfigError("health", f"expected a mapping, got {doc!r}")
     top = {"xid", "unknownXidState", "appXidRepeat", "thresholds", "clearAfterPolls", "nvmlErrorPolls",
-           "latchHoldSeconds", "flap", "overrides", "kubeletHealth"}
+           "rateHoldSeconds", "latchHoldSeconds", "flap", "overrides", "kubeletHealth"}
     unknown = set(doc) - top
     if unknown:
         raise ConfigError(f"health.{_first(unknown)}", f"unknown key (known: {', '.join(sorted(top))})")
@@ -367,13 +404,18 @@ def parse_health(doc: Any) -> HealthConfig:
     if "windowSeconds" in rep:
         changes["app_xid_window_s"] = float(_num(rep["windowSeconds"], "health.appXidRepeat.windowSeconds"))
     th = _section(doc, "thresholds", "health.thresholds",
-                  {"retiredPagesLimit", "eccCorrectedLimit", "checkPcieGenWhenIdle"})
+                  {"retiredPagesLimit", "eccCorrectedLimit", "eccCorrectedRatePerMinute", "checkPcieGenWhenIdle"})
     if "retiredPagesLimit" in th:
         changes["retired_pages_limit"] = _num(th["retiredPagesLimit"], "health.thresholds.retiredPagesLimit", True,
                                               minimum=1)
     if "eccCorrectedLimit" in th:
         changes["ecc_corrected_limit"] = _num(th["eccCorrectedLimit"], "health.thresholds.eccCorrectedLimit", True,
                                               allow_none=True)
+    if "eccCorrectedRatePerMinute" in th:
+        rate = _num(th["eccCorrectedRatePerMinute"], "health.thresholds.eccCorrectedRatePerMinute", allow_none=True)
+        changes["ecc_corrected_rate_per_min"] = None if rate is None else float(rate)
+    if "rateHoldSeconds" in doc:
+        changes["rate_hold_s"] = float(_num(doc["rateHoldSeconds"], "health.rateHoldSeconds"))
     if "checkPcieGenWhenIdle" in th:
         try:
             changes["check_pcie_gen_when_idle"] = _bool(th["checkPcieGenWhenIdle"])
@@ -423,20 +465,23 @@ def parse_health(doc: Any) -> HealthConfig:
 
 # Loading ----------------------------------------------------------------------------------------------------------
 
-def read_file(path: Path) -> dict[str, Any]:
+def read_file(path: Path, label: str = "--config") -> dict[str, Any]:
+    """The config file as a mapping; ``label`` names where its path came from (--config or GPU_HEALTH_CONFIG)."""
     try:
         text = path.read_text()
     except OSError as exc:
-        raise ConfigError("config", f"cannot read {path}: {exc.strerror}") from None
+        raise ConfigError(label, f"cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(label, f"{path} is not a text file") from None
     try:
         doc = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (ValueError, yaml.YAMLError) as exc:
-        raise ConfigError("config", f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: "
+        raise ConfigError(label, f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: "
                           f"{str(exc).splitlines()[0]}") from None
     if doc is None:
         doc = {}
     if not isinstance(doc, dict):
-        raise ConfigError("config", f"{path}: expected a mapping at the top level")
+        raise ConfigError(label, f"{path}: expected a mapping at the top level")
     if doc.get("version") != CONFIG_VERSION:
         raise ConfigError("version", f"expected {CONFIG_VERSION!r}, got {doc.get('version')!r}")
     known = {"version", "plugin", "health", "sharing"}
@@ -446,9 +491,10 @@ def read_file(path: Path) -> dict[str, Any]:
     return doc
 
 
-def load(flags: Mapping[str, Any], env: Mapping[str, str], file: Path | None) -> Config:
+def load(flags: Mapping[str, Any], env: Mapping[str, str], file: Path | None,
+         file_label: str = "--config") -> Config:
     """Merge the three sources (flags > env > file > defaults) and validate every value."""
-    doc: dict[str, Any] = read_file(file) if file is not None else {}
+    doc: dict[str, Any] = read_file(Path(os.path.abspath(file)), file_label) if file is not None else {}
     plugin = doc.get("plugin") or {}
     if not isinstance(plugin, dict):
         raise ConfigError("plugin", "expected a mapping")
@@ -458,6 +504,7 @@ def load(flags: Mapping[str, Any], env: Mapping[str, str], file: Path | None) ->
             raise ConfigError(f"plugin.{_first({k})}", f"unknown key (known: {', '.join(sorted(by_key))})")
     values: dict[str, Any] = {}
     source: dict[str, str] = {}
+    set_by: dict[str, str] = {}
     for o in OPTIONS:
         if flags.get(o.name) is not None:
             raw, src, label = flags[o.name], "flag", o.flag
@@ -475,13 +522,16 @@ def load(flags: Mapping[str, Any], env: Mapping[str, str], file: Path | None) ->
         except (ValueError, TypeError) as exc:
             raise ConfigError(label, str(exc)) from None
         source[o.name] = src
+        set_by[o.name] = label
     health = parse_health(doc.get("health"))
     try:
         sharing = parse_sharing(doc.get("sharing"))
         validate_sharing(sharing, values["resource_name"], values["mig_strategy"])
     except SharingError as exc:
         raise ConfigError(exc.field, exc.message) from None
-    cfg = Config(**values, health=health, sharing=sharing, source=source)
+    cfg = Config(**values, health=health, sharing=sharing, source=source, set_by=set_by)
     if cfg.backend != "simulated" and cfg.simulated_node is not None:
-        raise ConfigError("simulated_node", "only valid with --backend simulated")
+        via = f", set by {set_by['backend']}" if "backend" in set_by else ""
+        raise ConfigError(cfg.name_of("simulated_node"),
+                          f"only valid with --backend simulated (the backend is {cfg.backend}{via})")
     return cfg

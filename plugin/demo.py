@@ -57,6 +57,11 @@ class Demo:
         self.log: list[str] = []
         self.started = time.monotonic()
         self._lock = threading.Lock()
+        # Frames come from the script and from the kubelet stand-in's threads; one lock keeps them whole and in
+        # order, and once the final frame is out nothing else is drawn (shutdown makes every device Unhealthy to
+        # the kubelet, which is not the state the demo ends in).
+        self._draw_lock = threading.Lock()
+        self._live = False
         self.uuids = [g["uuid"] for g in self.node["gpus"]]
 
     def say(self, msg: str) -> None:
@@ -65,6 +70,8 @@ class Demo:
             self.log.append(line)
         if self.plain:
             print(line, flush=True)
+        else:
+            self.draw()
 
     def signals(self, index: int, **signals: Any) -> None:
         gpu = self.node["gpus"][index]
@@ -90,13 +97,19 @@ class Demo:
                          f"{kube:<10}{why}")
         return "\n".join(lines)
 
-    def draw(self) -> None:
+    def draw(self, final: bool = False) -> None:
+        """Redraw the live view; ``final`` draws the last frame and stops the view."""
         if self.plain:
             return
-        with self._lock:
-            tail = self.log[-12:]
-        sys.stdout.write(CLEAR + self.render() + "\n\nEvents:\n" + "\n".join(tail) + "\n")
-        sys.stdout.flush()
+        with self._draw_lock:
+            if not self._live:
+                return
+            if final:
+                self._live = False
+            with self._lock:
+                tail = self.log[-12:]
+            sys.stdout.write(CLEAR + self.render() + "\n\nEvents:\n" + "\n".join(tail) + "\n")
+            sys.stdout.flush()
 
     def wait(self, what: str, predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
         # Some steps change only the fine-grained state (the kubelet sees nothing), so wake on either side.
@@ -113,6 +126,10 @@ class Demo:
         self.kubelet.start()
         self.app.start()
         ok = self.wait("registration", lambda: self.kubelet.capacity() == (8, 8))
+        # The view goes live with the registration already in its events, so no frame shows a registered plugin
+        # under an empty event list.
+        with self._draw_lock:
+            self._live = True
         self.say("plugin registered: 8 GPUs advertised, all Healthy")
         resp = self.kubelet.allocate(self.uuids[:2])
         env = resp.container_responses[0].envs["NVIDIA_VISIBLE_DEVICES"]
@@ -153,7 +170,8 @@ class Demo:
         except grpc.RpcError as exc:
             self.say(f"Allocate(GPU 5) -> {exc.code().name}: {exc.details()}")
         time.sleep(step / 2)
-        self.draw()
+        # The last frame (or table) is the state the script ended in, drawn before shutdown begins.
+        self.draw(final=True)
         if self.plain:
             print("\n" + self.render(), flush=True)
         self.app.stop.set()

@@ -57,7 +57,11 @@ def _states(values: list[str]) -> set[str]:
 
 def _nodes(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.from_file is not None:
-        text = sys.stdin.read() if str(args.from_file) == "-" else args.from_file.read_text()
+        source = "--from-file -: stdin" if str(args.from_file) == "-" else f"--from-file {args.from_file}"
+        try:
+            text = sys.stdin.read() if str(args.from_file) == "-" else args.from_file.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise RuntimeError(f"{source}: cannot read: {exc}") from None
     else:
         cmd = [args.kubectl, "get", "nodes", "-o", "json"]
         if args.selector:
@@ -73,8 +77,16 @@ def _nodes(args: argparse.Namespace) -> list[dict[str, Any]]:
         if proc.returncode != 0:
             raise RuntimeError(f"kubectl get nodes failed: {proc.stderr.strip()}")
         text = proc.stdout
-    doc = json.loads(text)
+        source = f"{args.kubectl} get nodes -o json"
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        # Which input, and where in it: a node list saved by hand is often truncated or not JSON at all.
+        raise RuntimeError(f"{source}: not a JSON node list: {exc.msg} at line {exc.lineno} column {exc.colno}"
+                           ) from None
     items = doc.get("items", [doc]) if isinstance(doc, dict) else []
+    if not isinstance(items, list):
+        raise RuntimeError(f"{source}: not a node list: 'items' is not a list")
     return [n for n in items if isinstance(n, dict) and n.get("kind", "Node") == "Node"]
 
 

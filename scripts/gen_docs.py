@@ -77,10 +77,16 @@ HEALTH_KEYS: tuple[Key, ...] = (
         "(`retired-pages-limit`).", lambda h: h.retired_pages_limit),
     Key("health.thresholds.eccCorrectedLimit", "integer or null", "Volatile corrected ECC count above which a GPU "
         "is Degraded (`ecc-corrected-high`); null turns the rule off.", lambda h: h.ecc_corrected_limit),
+    Key("health.thresholds.eccCorrectedRatePerMinute", "number or null", "Corrected ECC errors per minute "
+        "between two polls above which a GPU is Degraded (`ecc-corrected-rate`, held like every rate rule); null "
+        "turns the rule off.", lambda h: h.ecc_corrected_rate_per_min),
     Key("health.thresholds.checkPcieGenWhenIdle", "boolean", "Also flag a PCIe generation below maximum while the "
         "GPU is idle (idle GPUs lower their link speed to save power).", lambda h: h.check_pcie_gen_when_idle),
     Key("health.clearAfterPolls", "integer >= 1", "Consecutive clean polls before a polled condition clears.",
         lambda h: h.clear_after_polls),
+    Key("health.rateHoldSeconds", "seconds", "How long a rate condition (`pcie-replay-rate`, `nvlink-errors`, "
+        "`ecc-corrected-rate`) stays after its counter stops growing, so a burst stays visible; kept across "
+        "restarts.", lambda h: h.rate_hold_s),
     Key("health.nvmlErrorPolls", "integer >= 1", "Consecutive failed NVML polls of one GPU before it is Unknown.",
         lambda h: h.nvml_error_polls),
     Key("health.latchHoldSeconds.Unhealthy", "seconds or null", "How long an event-latched Unhealthy condition "
@@ -226,7 +232,10 @@ def render_config() -> str:
              "`plugin` section of the config file; precedence is **flags > environment > file > default**. "
              "The file (`--config FILE`, or `GPU_HEALTH_CONFIG`) is YAML or JSON with `version: v1` and the "
              "sections `plugin`, `health` and `sharing`; an unknown key or a bad value is an error that names "
-             "it (exit status 2). The plugin logs the effective configuration at start.", "",
+             "it (exit status 2). A relative path, from any source, is taken against the working directory at "
+             "start. A path that cannot be used (a state or device-plugin dir that cannot be created or written, "
+             "a state dir another instance holds) stops the start with one line naming the option (exit status "
+             "1). The plugin logs the effective configuration, with absolute paths, at start.", "",
              "In the cluster the DaemonSet passes only the flags an overlay chooses and mounts the ConfigMap "
              "`gpu-health-device-plugin-config` as the file ([deploy.md](deploy.md)).", "",
              "## Options (`plugin` section)", "",

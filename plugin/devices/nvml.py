@@ -85,10 +85,16 @@ class NvmlBackend:
         self._links: dict[str, tuple[int, ...]] = {}
         self._static: dict[str, dict[str, int | None]] = {}
         self._mig_by_gi: dict[tuple[str, int], str] = {}
-        self._lock = threading.Lock()
+        # Guards the error counter: the poll thread and the event thread both fail calls, and metrics reads it.
+        self._errors_lock = threading.Lock()
+        self._call_errors = 0
+        # Guards the event set's life: close() may come while the event thread sits in nvmlEventSetWait on it,
+        # and freeing a set under a waiter is a use-after-free in the driver library. Whoever is last out frees.
+        self._event_lock = threading.Lock()
         self._event_set: Any = None
+        self._waiting = False
         self._closed = False
-        self.call_errors = 0
+        self._released = False
         self._discovery = self._discover()
         self._setup_events()
 
@@ -108,8 +114,15 @@ class NvmlBackend:
                 raise _Lost(fn_name) from exc
             if code == ERR_RESET_REQUIRED:
                 raise _ResetRequired(fn_name) from exc
-            self.call_errors += 1
+            with self._errors_lock:
+                self._call_errors += 1
             raise
+
+    @property
+    def call_errors(self) -> int:
+        """NVML calls that failed with a generic error (NotSupported, lost and reset-required excluded)."""
+        with self._errors_lock:
+            return self._call_errors
 
     def _opt(self, fn_name: str, *args: Any) -> Any:
         """A value, or None where the signal does not exist; other errors propagate."""
@@ -385,11 +398,14 @@ class NvmlBackend:
                 log.error("cannot register NVML events for %s: %s (polling still covers it)", uuid, exc)
 
     def wait_events(self, timeout_s: float) -> Sequence[GpuEvent]:
-        if self._event_set is None or self._closed:
+        with self._event_lock:
+            event_set = None if self._closed else self._event_set
+            self._waiting = event_set is not None
+        if event_set is None:
             time.sleep(timeout_s)
             return ()
         try:
-            data = self._call("nvmlEventSetWait_v2", self._event_set, int(timeout_s * 1000))
+            data = self._call("nvmlEventSetWait_v2", event_set, int(timeout_s * 1000))
         except (_Unsupported, _Lost, _ResetRequired):
             return ()
         except self.nv.NVMLError as exc:
@@ -397,6 +413,12 @@ class NvmlBackend:
                 log.warning("NVML event wait failed: %s", exc)
                 time.sleep(min(timeout_s, 0.5))
             return ()
+        finally:
+            with self._event_lock:
+                self._waiting = False
+                closed_meanwhile = self._closed
+            if closed_meanwhile:
+                self._release()  # close() left the set to us: it was in use
         now = time.time()
         uuid = self._uuid_of(data.device)
         if uuid is None:
@@ -429,10 +451,29 @@ class NvmlBackend:
         pass  # NVML has no change notification beyond events; the poller covers the rest
 
     def close(self) -> None:
-        self._closed = True
+        """Free the event set and shut NVML down; never under a wait in progress. If the event thread is waiting
+        now, it does both when its wait returns (within the wait's timeout), so close() itself never blocks on the
+        driver. A wait that never returns (a hung driver) leaks the set until the process exits, which is safe."""
+        with self._event_lock:
+            self._closed = True
+            in_use = self._waiting
+        if in_use:
+            log.debug("NVML event set in use by a wait: the event thread frees it when the wait returns")
+            return
+        self._release()
+
+    def _release(self) -> None:
+        with self._event_lock:
+            if self._released:
+                return
+            self._released = True
+            event_set, self._event_set = self._event_set, None
         try:
-            if self._event_set is not None:
-                self._call("nvmlEventSetFree", self._event_set)
+            if event_set is not None:
+                self._call("nvmlEventSetFree", event_set)
+        except (_Unsupported, self.nv.NVMLError, _Lost, _ResetRequired):
+            pass
+        try:
             self._call("nvmlShutdown")
         except (_Unsupported, self.nv.NVMLError, _Lost, _ResetRequired):
             pass

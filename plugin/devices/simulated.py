@@ -3,17 +3,22 @@
 The file is watched; every rewrite (in place or by atomic rename) is applied at once. A malformed file is reported
 with the field and GPU at fault and the last good description stays in force. ``docs/simulated-node.md`` is the
 format's reference.
+
+NVLink: link ``k`` of a GPU is the one to the ``k``-th GPU in its ``nvlink_peers``. A peer that is not in the file
+(a GPU removed, as when it falls off the bus) leaves that link without a far end, so the reading shows it down,
+as NVML shows the links of a GPU whose peer is gone; the file stays valid.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,12 +60,13 @@ class NodeFileError(ValueError):
 
 @dataclass(frozen=True)
 class SimGpu:
-    gpu: Gpu
+    gpu: Gpu  # nvlink_peers: the peers present in the file only
     signals: dict[str, Any]
     slowdown_c: int
     shutdown_c: int
     pcie_max_gen: int
     pcie_max_width: int
+    missing_peers: tuple[tuple[int, int], ...] = ()  # (link, peer index) for each peer not in the file
 
 
 def builtin_node() -> dict[str, Any]:
@@ -80,6 +86,20 @@ def builtin_node() -> dict[str, Any]:
             "signals": {},
         })
     return {"gpus": gpus}
+
+
+def write_node_file(path: Path, doc: dict[str, Any] | None = None) -> None:
+    """Write a node description (the built-in node by default) as a file this backend accepts. Atomic, so a plugin
+    already watching ``path`` never reads half a file."""
+    doc = builtin_node() if doc is None else doc
+    parse_node(doc)  # never write what load_node_file would refuse
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(json.dumps(doc, indent=2) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _field(where: str, name: str) -> str:
@@ -201,11 +221,16 @@ def parse_node(doc: Any) -> list[SimGpu]:
             pcie_max_width=_int(entry.get("pcie_max_width", DEFAULT_PCIE_MAX_WIDTH), where, "pcie_max_width", 1),
         ))
     indices = {s.gpu.index for s in out}
+    checked = []
     for s in out:
-        for p in s.gpu.nvlink_peers:
-            if p not in indices or p == s.gpu.index:
-                raise NodeFileError(f"gpus ({s.gpu.uuid}).nvlink_peers: {p} is not another GPU's index")
-    return out
+        if s.gpu.index in s.gpu.nvlink_peers:
+            raise NodeFileError(f"gpus ({s.gpu.uuid}).nvlink_peers: {s.gpu.index} is this GPU's own index")
+        missing = tuple((link, p) for link, p in enumerate(s.gpu.nvlink_peers) if p not in indices)
+        if missing:
+            present = tuple(p for p in s.gpu.nvlink_peers if p in indices)
+            s = replace(s, gpu=replace(s.gpu, nvlink_peers=present), missing_peers=missing)
+        checked.append(s)
+    return checked
 
 
 def _parse_migs(value: Any, where: str, parent: str) -> tuple[MigDevice, ...]:
@@ -267,6 +292,7 @@ class SimulatedBackend:
         self._mig_seen: dict[str, int] = {}
         self._observer: Any = None
         self._listeners: list[Callable[[], None]] = []
+        self._missing_links: set[tuple[str, int, int]] = set()  # (uuid, link, peer) already logged
         self.last_error: str | None = None
         self._gpus: dict[str, SimGpu] = {}
         if self._path is None:
@@ -276,6 +302,12 @@ class SimulatedBackend:
 
     def _apply(self, gpus: list[SimGpu]) -> None:
         now = self._clock()
+        missing = {(s.gpu.uuid, link, peer) for s in gpus for link, peer in s.missing_peers}
+        # Once per link going missing, not per reload or poll: a file rewritten ten times is still one fault.
+        for uuid, link, peer in sorted(missing - self._missing_links):
+            log.warning("simulated node: GPU %s NVLink %d goes to GPU index %d, which is not in the node file; "
+                        "the link reads as down", uuid, link, peer)
+        self._missing_links = missing
         with self._lock:
             self._gpus = {s.gpu.uuid: s for s in gpus}
             for s in gpus:
@@ -359,7 +391,7 @@ class SimulatedBackend:
             pcie_max_gen=s.pcie_max_gen,
             pcie_max_width=s.pcie_max_width,
             pcie_replay_count=sig.get("pcie_replay_count", 0),
-            nvlink_down=tuple(sig.get("nvlink_down", ())),
+            nvlink_down=tuple(sorted(set(sig.get("nvlink_down", ())) | {link for link, _ in s.missing_peers})),
             nvlink_error_count=sig.get("nvlink_error_count", 0),
             recovery_action=sig.get("recovery_action", "none"),
             fabric_health=sig.get("fabric_health"),

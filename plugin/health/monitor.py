@@ -148,20 +148,20 @@ class Monitor:
         readings: list[tuple[Gpu, Reading]] = [(g, self.backend.read(g)) for g in discovery.gpus]
         with self._lock:
             current = {g.uuid for g in discovery.gpus}
+            dirty = False
             for uuid in list(self._trackers):
                 if uuid not in current:
                     log.warning("device %s disappeared", uuid)
-                    del self._trackers[uuid]
+                    self._shelve(self._trackers.pop(uuid))
                     self._gpus.pop(uuid, None)
-                    for mig_id in [m for m, t in self._mig_trackers.items() if t.device_id.startswith(uuid + "/")]:
-                        del self._mig_trackers[mig_id]
-            dirty = False
+                    dirty = True
             for gpu, reading in readings:
                 tracker = self._trackers.get(gpu.uuid)
                 if tracker is None:
                     tracker = self._new_tracker(gpu.uuid)
                     dirty = True
                 self._gpus[gpu.uuid] = gpu
+                dirty = self._sync_mig_trackers(gpu) or dirty
                 if tracker.observe_reading(reading):
                     for t in self._mig_trackers.values():
                         if t.device_id.startswith(gpu.uuid + "/"):
@@ -179,6 +179,32 @@ class Monitor:
         if self.persister is not None and (dirty or transitions):
             self.persister.mark_dirty()
         return transitions
+
+    def _sync_mig_trackers(self, gpu: Gpu) -> bool:
+        """Give every advertised MIG device its saved tracker back, and shelve those of instances that are gone.
+
+        MIG trackers are otherwise born on events only, so a latch saved for one would never be loaded again, and
+        the next state write would drop it."""
+        changed = False
+        advertised = {f"{gpu.uuid}/{m.uuid}" for m in gpu.mig_devices}
+        for key in advertised:
+            if key not in self._mig_trackers and key in self._saved:
+                self._new_tracker(key)
+                changed = True
+        for key in [k for k in self._mig_trackers if k.startswith(gpu.uuid + "/") and k not in advertised]:
+            log.warning("MIG device %s disappeared", key)
+            self._shelve(self._mig_trackers.pop(key))
+            changed = True
+        return changed
+
+    def _shelve(self, tracker: DeviceTracker) -> None:
+        # A device that is gone keeps what it had latched: if it comes back (after a rescan, a MIG re-layout or a
+        # plugin restart) it has not been seen reset, so the fault still holds.
+        for key in [m for m in self._mig_trackers if m.startswith(tracker.device_id + "/")]:
+            self._shelve(self._mig_trackers.pop(key))
+        saved = tracker.to_dict()
+        if _worth_keeping(saved):
+            self._saved[tracker.device_id] = saved
 
     def _new_tracker(self, device_id: str) -> DeviceTracker:
         tracker = DeviceTracker(device_id, self.cfg)
@@ -209,10 +235,10 @@ class Monitor:
         for uuid, tracker in sorted(self._trackers.items(), key=lambda kv: self._gpus[kv[0]].index):
             gpu = self._gpus[uuid]
             state, reasons = tracker.verdict(now)
-            statuses.append(DeviceStatus(uuid, gpu, state, reasons, tracker.since or now, mapping[state]))
+            statuses.append(DeviceStatus(uuid, gpu, state, reasons, tracker.since, mapping[state]))
             for mig in gpu.mig_devices:
                 own = self._mig_trackers.get(f"{uuid}/{mig.uuid}")
-                m_state, m_reasons, m_since = state, reasons, tracker.since or now
+                m_state, m_reasons, m_since = state, reasons, tracker.since
                 if own is not None:
                     o_state, o_reasons = own.verdict(now)
                     m_state = State.worst(state, o_state)
@@ -227,9 +253,18 @@ class Monitor:
 
     def _collect(self) -> dict[str, Any]:
         with self._lock:
-            devices = {k: t.to_dict() for k, t in {**self._trackers, **self._mig_trackers}.items()}
+            # Saved entries of devices not (yet) seen since the restart are written back unchanged: losing them
+            # would silently heal a GPU that merely came up late.
+            devices = {k: v for k, v in self._saved.items() if _worth_keeping(v)}
+            devices.update({k: t.to_dict() for k, t in {**self._trackers, **self._mig_trackers}.items()})
         return {"devices": devices, "transitions": [t.to_dict() for t in self.state.history()[-256:]]}
 
     def reasons_of(self, device_id: str) -> tuple[Reason, ...]:
         snap = self.state.snapshot().get(device_id)
         return snap.reasons if snap else ()
+
+
+def _worth_keeping(saved: dict[str, Any]) -> bool:
+    """Whether a device's saved entry holds anything a poll could not re-derive."""
+    return bool(saved.get("latched") or saved.get("rate_held") or saved.get("app_xids")
+                or saved.get("backoff_until"))

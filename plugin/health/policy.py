@@ -17,6 +17,10 @@ APPLICATION_XIDS = frozenset({8, 13, 31, 32, 43, 45, 68, 69, 137})
 # Replay rate DCGM tolerates per lane per minute, by PCIe generation.
 PCIE_REPLAY_PER_LANE_PER_MIN = {1: 0.12, 2: 0.24, 3: 0.48, 4: 0.96, 5: 1.92, 6: 3.84}
 
+# Conditions that fire on a counter's growth between two polls rather than on a level: they are held for
+# ``rate_hold_s`` after the growth stops (tracker), since the next clean poll says nothing about the hardware.
+RATE_CODES = frozenset({"pcie-replay-rate", "nvlink-errors", "ecc-corrected-rate"})
+
 DEFAULT_KUBELET_HEALTH = {
     State.HEALTHY: "Healthy",
     State.DEGRADED: "Healthy",
@@ -36,8 +40,11 @@ class HealthConfig:
     app_xid_window_s: float = 3 * 3600.0
     retired_pages_limit: int = 63
     ecc_corrected_limit: int | None = None
+    # Corrected ECC errors per minute between two polls above which a device is Degraded; None: off.
+    ecc_corrected_rate_per_min: float | None = None
     check_pcie_gen_when_idle: bool = False
     clear_after_polls: int = 3
+    rate_hold_s: float = 600.0
     nvml_error_polls: int = 3
     # Hold time of an event-latched condition, by the state it asks for; None: until the GPU is seen reset.
     latch_hold_s: dict[State, float | None] = field(default_factory=lambda: {
@@ -82,6 +89,13 @@ def evaluate_reading(reading: Reading, previous: Reading | None, cfg: HealthConf
     if cfg.ecc_corrected_limit is not None and (r.ecc_corrected_volatile or 0) > cfg.ecc_corrected_limit:
         add("ecc-corrected-high", State.DEGRADED,
             f"{r.ecc_corrected_volatile} volatile corrected ECC errors (limit {cfg.ecc_corrected_limit})", "none")
+    if (cfg.ecc_corrected_rate_per_min is not None and previous is not None and r.time > previous.time
+            and r.ecc_corrected_volatile is not None and previous.ecc_corrected_volatile is not None):
+        grown = r.ecc_corrected_volatile - previous.ecc_corrected_volatile
+        per_min = grown / ((r.time - previous.time) / 60.0)
+        if grown > 0 and per_min > cfg.ecc_corrected_rate_per_min:
+            add("ecc-corrected-rate", State.DEGRADED,
+                f"corrected ECC errors at {per_min:.1f}/min (limit {cfg.ecc_corrected_rate_per_min:g}/min)", "none")
     if r.row_remap_failure:
         add("row-remap-failure", State.UNHEALTHY, "row remapping failed", "contact-support")
     if r.row_remap_pending:

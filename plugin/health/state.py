@@ -14,7 +14,7 @@ import tempfile
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +77,12 @@ def _make_snapshot(version: int, seq: int, devices: Iterable[DeviceStatus], erro
     return Snapshot(version, seq, devs, error, {d.id: d for d in devs})
 
 
+def _keep_since(d: DeviceStatus, before: DeviceStatus | None) -> DeviceStatus:
+    if before is not None and before.state == d.state and before.since != d.since:
+        return replace(d, since=before.since)
+    return d
+
+
 class NodeState:
     def __init__(self, history: int = 1024) -> None:
         self._cond = threading.Condition(threading.Lock())
@@ -90,9 +96,11 @@ class NodeState:
     def publish(self, devices: Iterable[DeviceStatus], now: float,
                 backend_error: str | None = None) -> list[Transition]:
         """Replace the device list. Bumps the version only when something a reader can see changed."""
-        devs = tuple(devices)
         with self._cond:
             old = self._snapshot
+            # ``since`` is when a device entered its current state: while the state holds, the first value stays,
+            # whatever a writer computes now (outlets diff on it, so a moving ``since`` would be a write per poll).
+            devs = tuple(_keep_since(d, old.by_id.get(d.id)) for d in devices)
             if devs == old.devices and backend_error == old.backend_error:
                 return []
             new_ids = {d.id for d in devs}

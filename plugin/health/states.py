@@ -71,21 +71,38 @@ class ReasonSpec:
     action: str
     source: str
     description: str
+    # For the generic XID rows: the XID class (health.xid) the row documents, so a row is found by what an XID is
+    # configured as, not by the state it happens to produce.
+    xid_class: str = ""
 
 
 # The reason-code table. docs/reasons.md is generated from it (scripts/gen_docs.py) so the two cannot drift.
 REASONS: tuple[ReasonSpec, ...] = (
     ReasonSpec("xid-<n>", State.UNHEALTHY, "reset-gpu", "event",
-               "A fatal XID (class `fatal`; 79 asks for a node reboot). Latched until the GPU is seen reset or the "
-               "fatal hold time passes."),
+               "A fatal XID (class `fatal`). Latched until the GPU is seen reset or the Unhealthy hold time passes.",
+               "fatal"),
+    ReasonSpec("xid-79", State.UNHEALTHY, "reboot-node", "event",
+               "XID 79, the GPU fell off the bus: only a node reboot brings it back. Latched like every fatal XID."),
+    ReasonSpec("xid-64", State.UNHEALTHY, "contact-support", "event",
+               "XID 64, the GPU could not record a page retirement or row remap: a reset does not mend it. Latched."),
+    ReasonSpec("xid-95", State.UNHEALTHY, "contact-support", "event",
+               "XID 95, an uncontained ECC error: a recurring one means the memory is failing. Latched."),
     ReasonSpec("xid-<n>", State.DEGRADED, "reset-gpu", "event",
-               "A degraded-class XID (63, 92, 94, 156 by default): usable, reset when convenient. Latched."),
+               "A degraded-class XID (63, 92, 94, 156 by default): usable, reset when convenient. Latched.",
+               "degraded"),
+    ReasonSpec("xid-<n>", State.DEGRADED, "contact-support", "event",
+               "An XID in no configured class: the state is `unknownXidState` (Degraded by default). Latched.",
+               "unknown"),
     ReasonSpec("xid-<n>-repeated", State.DEGRADED, "contact-support", "event",
-               "An application-class XID (13, 31, 43, ...) repeated on one GPU beyond the threshold in the window."),
+               "An application-class XID (13, 31, 43, ...) repeated on one GPU beyond the threshold in the window.",
+               "application"),
     ReasonSpec("ecc-uncorrected", State.UNHEALTHY, "reset-gpu", "poll/event",
                "Volatile uncorrected (double-bit) ECC errors, or a double-bit ECC event."),
     ReasonSpec("ecc-corrected-high", State.DEGRADED, "none", "poll",
                "Volatile corrected ECC count above `eccCorrectedLimit` (off by default)."),
+    ReasonSpec("ecc-corrected-rate", State.DEGRADED, "none", "poll",
+               "Corrected ECC errors growing faster than `eccCorrectedRatePerMinute` (off by default); held for "
+               "`rateHoldSeconds` after the burst."),
     ReasonSpec("row-remap-pending", State.DEGRADED, "reset-gpu", "poll", "A row remap waits for the next GPU reset."),
     ReasonSpec("row-remap-failure", State.UNHEALTHY, "contact-support", "poll", "Row remapping failed: RMA."),
     ReasonSpec("retired-pages-pending", State.DEGRADED, "reset-gpu", "poll",
@@ -101,10 +118,12 @@ REASONS: tuple[ReasonSpec, ...] = (
     ReasonSpec("pcie-link-degraded", State.DEGRADED, "reset-gpu", "poll",
                "PCIe link width below its maximum, or generation below its maximum while the GPU is busy."),
     ReasonSpec("pcie-replay-rate", State.DEGRADED, "contact-support", "poll",
-               "PCIe replay counter grows faster than the per-lane rate for the link generation."),
+               "PCIe replay counter grows faster than the per-lane rate for the link generation; held for "
+               "`rateHoldSeconds` after the growth stops."),
     ReasonSpec("nvlink-down", State.UNHEALTHY, "reset-gpu", "poll", "One or more NVLink links are down."),
     ReasonSpec("nvlink-errors", State.DEGRADED, "contact-support", "poll",
-               "NVLink replay/recovery error counters grew since the last poll."),
+               "NVLink replay/recovery error counters grew since the last poll; held for `rateHoldSeconds` after "
+               "they stop."),
     ReasonSpec("recovery-action-reset", State.UNHEALTHY, "reset-gpu", "poll",
                "The driver asks for a GPU reset (GPU_RESET or DRAIN_AND_RESET)."),
     ReasonSpec("recovery-action-reboot", State.UNHEALTHY, "reboot-node", "poll",

@@ -1,6 +1,7 @@
 """Per-device state machine: turns conditions over time into a state with reasons.
 
-Polled conditions clear after ``clear_after_polls`` clean polls in a row. Event conditions are latched until the GPU
+Polled conditions clear after ``clear_after_polls`` clean polls in a row; rate conditions (a counter growing too fast)
+also stay for ``rate_hold_s`` after they were last seen. Event conditions are latched until the GPU
 is seen reset or their hold time passes. A device that changes state too often holds its worst recent state for a
 back-off period. Time always comes in as an argument, so tests drive a fake clock.
 """
@@ -12,13 +13,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from plugin.devices.model import GpuEvent, Reading
-from plugin.health.policy import HealthConfig, classify_event, evaluate_reading
+from plugin.health.policy import RATE_CODES, HealthConfig, classify_event, evaluate_reading
 from plugin.health.states import Condition, Reason, State
 
 
 @dataclass
 class _Polled:
     reason: Reason
+    last_seen: float
     clean_polls: int = 0
 
 
@@ -76,17 +78,23 @@ class DeviceTracker:
                 continue
             p = self._polled[code]
             p.clean_polls += 1
-            if p.clean_polls >= self.cfg.clear_after_polls:
+            if p.clean_polls >= self.cfg.clear_after_polls and not self._rate_held(p, now):
                 del self._polled[code]
         return reset_seen
+
+    def _rate_held(self, p: _Polled, now: float) -> bool:
+        # A rate rule only fires while a counter grows, so a burst would vanish a few polls after it ends; hold it
+        # for a while so operators (and preferred allocation) still see the link or memory that just misbehaved.
+        return p.reason.code in RATE_CODES and now - p.last_seen < self.cfg.rate_hold_s
 
     def _raise_polled(self, c: Condition, now: float) -> None:
         p = self._polled.get(c.code)
         if p is None:
-            self._polled[c.code] = _Polled(Reason.of(c, now))
+            self._polled[c.code] = _Polled(Reason.of(c, now), now)
         else:
             # Keep first_seen, refresh the message (counts change), restart the clean-poll count.
             p.reason = Reason.of(c, p.reason.first_seen)
+            p.last_seen = now
             p.clean_polls = 0
 
     def _reset_seen(self, reading: Reading) -> bool:
@@ -173,6 +181,10 @@ class DeviceTracker:
             if state != self.state:
                 self.state = state
                 self.since = now
+        if not self.since:
+            # First verdict of a device that starts Healthy: it has been in this state since it was first seen,
+            # and that instant must not move with every poll (outlets diff on it).
+            self.since = now
         return self.state, tuple(reasons)
 
     # Persistence: only what must survive a restart (a poll re-derives the rest) -----------------------------------
@@ -180,6 +192,10 @@ class DeviceTracker:
     def to_dict(self) -> dict[str, Any]:
         return {
             "latched": [{**lt.reason.to_dict(), "last_seen": lt.last_seen} for lt in self._latched.values()],
+            # Rate conditions cannot be re-derived by a poll after a restart (the counter no longer grows), so the
+            # ones still held are kept like latches, until their hold window ends.
+            "rate_held": [{**p.reason.to_dict(), "last_seen": p.last_seen}
+                          for p in self._polled.values() if p.reason.code in RATE_CODES],
             "app_xids": {str(k): list(v) for k, v in self._app_xids.items()},
             "backoff_until": self._backoff_until,
             "held": self._held.value,
@@ -191,6 +207,10 @@ class DeviceTracker:
         for item in d.get("latched", []):
             r = Reason.from_dict(item)
             self._latched[r.code] = _Latched(r, float(item.get("last_seen", r.first_seen)))
+        for item in d.get("rate_held", []):
+            r = Reason.from_dict(item)
+            # Restored as already clean: only the hold window keeps it, and a new burst refreshes it.
+            self._polled[r.code] = _Polled(r, float(item.get("last_seen", r.first_seen)), self.cfg.clear_after_polls)
         for k, v in d.get("app_xids", {}).items():
             self._app_xids[int(k)] = deque(float(t) for t in v)
         self._backoff_until = float(d.get("backoff_until", 0.0))

@@ -36,9 +36,16 @@ class PluginView:
 
 
 class KubeletStandin(api_pb2_grpc.RegistrationServicer):
-    def __init__(self, plugin_dir: Path, dial_timeout_s: float = 10.0) -> None:
+    """``rename=False`` (the default) binds ``kubelet.sock`` in place, as the kubelet does (``net.Listen`` on the final
+    path): the plugin sees it created, possibly a moment before it answers. ``rename=True`` binds under a temporary
+    name and renames it into place, so tests can cover a socket that appears by rename."""
+
+    def __init__(self, plugin_dir: Path, dial_timeout_s: float = 10.0, rename: bool = False) -> None:
         self.plugin_dir = plugin_dir
         self.dial_timeout_s = dial_timeout_s
+        self.rename = rename
+        # Called at the start of every Register, before any check: lets a test hold a registration in flight.
+        self.register_gate: Callable[[api_pb2.RegisterRequest], None] | None = None
         self.plugins: dict[str, PluginView] = {}
         self.registrations: list[tuple[float, str, str]] = []  # (time, resource, endpoint)
         self.rejections: list[str] = []
@@ -56,12 +63,16 @@ class KubeletStandin(api_pb2_grpc.RegistrationServicer):
         self.plugin_dir.mkdir(parents=True, exist_ok=True)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="kubelet"))
         api_pb2_grpc.add_RegistrationServicer_to_server(self, server)
-        tmp = self.plugin_dir / ".kubelet.sock.tmp"
-        # Bind under a temporary name and rename, so kubelet.sock appears (is "created") only once it answers.
-        tmp.unlink(missing_ok=True)
-        server.add_insecure_port(f"unix://{tmp}")
-        server.start()
-        tmp.rename(self.socket)
+        if self.rename:
+            tmp = self.plugin_dir / ".kubelet.sock.tmp"
+            tmp.unlink(missing_ok=True)
+            server.add_insecure_port(f"unix://{tmp}")
+            server.start()
+            tmp.rename(self.socket)
+        else:
+            self.socket.unlink(missing_ok=True)
+            server.add_insecure_port(f"unix://{self.socket}")
+            server.start()
         self._server = server
 
     def stop(self) -> None:
@@ -93,6 +104,8 @@ class KubeletStandin(api_pb2_grpc.RegistrationServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, msg)
             return api_pb2.Empty()
 
+        if self.register_gate is not None:
+            self.register_gate(request)
         received = time.monotonic()
         if request.version != "v1beta1":
             return reject(f"unsupported device plugin API version {request.version!r}")

@@ -235,7 +235,7 @@ def desired_annotations(snapshot: Snapshot, last: Mapping[str, Transition], pref
 
 
 def _marker(dropped: int, max_bytes: int) -> str:
-    return f"{dropped} device entries omitted: over the {max_bytes}-byte cap (annotation_max_bytes)"
+    return f"{dropped} device entries omitted: over the {max_bytes}-byte cap (--annotation-max-bytes)"
 
 
 def merge_patch(current: Mapping[str, str], desired: Mapping[str, str], prefix: str) -> dict[str, str | None]:

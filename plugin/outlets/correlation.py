@@ -11,12 +11,15 @@ by default) it asks the kubelet's PodResources API which pods and containers hol
   retried with back-off for as long as its device stays bad, and never deleted around the budget.
 
 It reads transitions from the node state in its own thread and never computes health. Every action happens at most
-once per (pod, device, state); the kubelet path never waits on any of it.
+once per (pod, device, state); the kubelet path never waits on any of it. A pod to tell is kept until its Event (and
+annotation) is written: when the API client cannot be built or a request fails, it is retried with jittered,
+capped back-off for as long as the device stays in the state it was to be told about.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections import OrderedDict
@@ -31,7 +34,7 @@ from api.podresources.v1 import api_pb2 as pr_pb2
 from api.podresources.v1 import api_pb2_grpc as pr_grpc
 from plugin.health.state import NodeState, Snapshot, Transition
 from plugin.kubelet.resources import Resource
-from plugin.outlets.kube import ApiFailure, LightkubeApi
+from plugin.outlets.kube import ApiFailure, Backoff, LightkubeApi
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +157,9 @@ class CorrelationSettings:
     evict_retry_max_s: float = 300.0
     lookup_retry_initial_s: float = 1.0
     lookup_retry_max_s: float = 60.0
+    act_retry_initial_s: float = 1.0
+    act_retry_max_s: float = 60.0
+    max_pending_pods: int = 4096  # pods waiting for a retry; beyond it the oldest is dropped (and logged)
 
 
 @dataclass
@@ -183,6 +189,18 @@ class Affected:
 
 
 @dataclass
+class _PodWork:
+    """What is still owed to one pod: an Event for the devices not yet told, the annotation, the eviction."""
+
+    pod: Affected
+    backoff: Backoff
+    uid: str | None = None  # None: not looked up yet
+    annotate: bool = False
+    evict: bool = False
+    next_at: float = 0.0
+
+
+@dataclass
 class _Eviction:
     namespace: str
     pod: str
@@ -195,7 +213,7 @@ class _Eviction:
 class Correlator:
     def __init__(self, state: NodeState, settings: CorrelationSettings, lister: PodLister,
                  api_factory: Callable[[], PodApi], clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time, rng: random.Random | None = None) -> None:
         self.state = state
         self.settings = settings
         self.lister = lister
@@ -211,6 +229,8 @@ class Correlator:
         self._lookup_at = 0.0
         self._done: OrderedDict[tuple[str, str, str, str], None] = OrderedDict()  # (ns, pod, device, state)
         self._evictions: dict[tuple[str, str], _Eviction] = {}
+        self._work: OrderedDict[tuple[str, str], _PodWork] = OrderedDict()  # (ns, pod) -> what it is still owed
+        self._rng = rng or random.Random()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._logged: set[str] = set()
@@ -254,10 +274,12 @@ class Correlator:
         self._drop_recovered(snap)
         if self._pending and now >= self._lookup_at:
             self._correlate(snap, now)
+        self._retry_work(snap, now)
         self._retry_evictions(snap, now)
         deadlines = [float("inf")]
         if self._pending:
             deadlines.append(self._lookup_at)
+        deadlines += [w.next_at for w in self._work.values()]
         deadlines += [e.next_at for e in self._evictions.values()]
         return min(deadlines)
 
@@ -312,47 +334,102 @@ class Correlator:
         return self._api
 
     def _act(self, pod: Affected, now: float) -> None:
+        """Queue what ``pod`` is owed for these transitions (merged with anything still owed) and try it now."""
+        key = (pod.namespace, pod.pod)
+        work = self._work.get(key)
+        if work is None:
+            work = _PodWork(Affected(pod.namespace, pod.pod),
+                            Backoff(self.settings.act_retry_initial_s, self.settings.act_retry_max_s, self._rng))
+            self._work[key] = work
+            while len(self._work) > self.settings.max_pending_pods:
+                (ns, name), _ = self._work.popitem(last=False)
+                log.warning("pod correlation: over %d pods waiting for the API server; dropped %s/%s",
+                            self.settings.max_pending_pods, ns, name)
+        work.pod.transitions.update(pod.transitions)
+        for d, containers in pod.containers.items():
+            work.pod.containers[d] = containers
+        work.annotate = work.annotate or self.settings.annotate
+        work.evict = work.evict or self.settings.evict
+        work.next_at = now
+        self._retry_work(self.state.snapshot(), now)
+
+    def _retry_work(self, snap: Snapshot, now: float) -> None:
+        for key, work in list(self._work.items()):
+            if work.next_at > now:
+                continue
+            if self._do(work, snap, now):
+                del self._work[key]
+            else:
+                work.next_at = now + work.backoff.next_delay()
+
+    def _applies(self, snap: Snapshot, device_id: str, state: str) -> bool:
+        """A device is still worth telling about while it is in the state the pod was to be told about (a move to
+        another bad state is a new transition, told on its own)."""
+        d = snap.get(device_id)
+        return d is not None and d.state.value == state
+
+    def _do(self, work: _PodWork, snap: Snapshot, now: float) -> bool:
+        """One attempt at what ``work`` owes; True when nothing is left (done, or no longer applies)."""
+        pod = work.pod
+        for d in [d for d, t in pod.transitions.items() if not self._applies(snap, d, t.to_state)]:
+            del pod.transitions[d]
+            pod.containers.pop(d, None)
+        if not pod.transitions:
+            return True  # recovered, or moved on to a state told by its own transition
         new = [d for d, t in pod.transitions.items()
                if (pod.namespace, pod.pod, d, t.to_state) not in self._done]
-        if not new:
-            return
+        if not new and not work.annotate and not work.evict:
+            return True
         try:
             api = self._api_client()
         except ApiFailure as f:
             self.stats.event_failures += 1
-            self._note_error(f"no Kubernetes client for pod correlation: {f}")
-            return
-        uid = ""
-        try:
-            view = api.get_pod(pod.namespace, pod.pod)
-            uid = view.uid
-        except ApiFailure as f:
-            if f.status == 404:
-                return  # gone already: nothing to tell, nothing to move
-            # Without get (RBAC) the Event still goes out, only without the pod's UID.
-            self._note_error(f"cannot read pod {pod.namespace}/{pod.pod} ({f}); posting its Event without a UID")
-        for d in new:
-            self._remember((pod.namespace, pod.pod, d, pod.transitions[d].to_state))
-        try:
-            api.create_event(pod.namespace, self._event_body(pod, new, uid))
-            self.stats.events_posted += 1
-            log.warning("pod %s/%s holds failing device(s) %s: Event posted", pod.namespace, pod.pod, ", ".join(new))
-        except ApiFailure as f:
-            self.stats.event_failures += 1
-            self._note_error(f"posting an Event on pod {pod.namespace}/{pod.pod}: {f}")
-        if self.settings.annotate:
+            self._note_error(f"no Kubernetes client for pod correlation: {f}; retrying")
+            return False
+        if work.uid is None:
+            try:
+                work.uid = api.get_pod(pod.namespace, pod.pod).uid
+            except ApiFailure as f:
+                if f.status == 404:
+                    return True  # gone already: nothing to tell, nothing to move
+                # Without get (RBAC) the Event still goes out, only without the pod's UID.
+                work.uid = ""
+                self._note_error(f"cannot read pod {pod.namespace}/{pod.pod} ({f}); posting its Event without a UID")
+        done = True
+        if new:
+            try:
+                api.create_event(pod.namespace, self._event_body(pod, new, work.uid or ""))
+            except ApiFailure as f:
+                self.stats.event_failures += 1
+                self._note_error(f"posting an Event on pod {pod.namespace}/{pod.pod}: {f}; retrying")
+                done = False
+            else:
+                for d in new:
+                    self._remember((pod.namespace, pod.pod, d, pod.transitions[d].to_state))
+                self.stats.events_posted += 1
+                log.warning("pod %s/%s holds failing device(s) %s: Event posted", pod.namespace, pod.pod,
+                            ", ".join(new))
+        if work.annotate:
             key = f"{self.settings.annotation_prefix}/{ANNOTATION}"
             value = ",".join(f"{d}={pod.transitions[d].to_state}" for d in sorted(pod.transitions))
             try:
                 api.patch_pod_annotations(pod.namespace, pod.pod, {key: value})
-                self.stats.annotations += 1
             except ApiFailure as f:
                 self.stats.annotation_failures += 1
-                self._note_error(f"annotating pod {pod.namespace}/{pod.pod}: {f}")
-        if self.settings.evict and (pod.namespace, pod.pod) not in self._evictions:
-            self._evictions[(pod.namespace, pod.pod)] = _Eviction(pod.namespace, pod.pod, uid,
-                                                                  tuple(sorted(pod.transitions)), next_at=now)
-            self._retry_evictions(self.state.snapshot(), now)
+                self._note_error(f"annotating pod {pod.namespace}/{pod.pod}: {f}; retrying")
+                done = False
+            else:
+                self.stats.annotations += 1
+                work.annotate = False
+        if work.evict:
+            work.evict = False  # evictions keep their own retry (PodDisruptionBudgets answer 429 for a while)
+            if (pod.namespace, pod.pod) not in self._evictions:
+                self._evictions[(pod.namespace, pod.pod)] = _Eviction(pod.namespace, pod.pod, work.uid or "",
+                                                                      tuple(sorted(pod.transitions)), next_at=now)
+                self._retry_evictions(snap, now)
+        if done:
+            work.backoff.reset()
+        return done
 
     def _retry_evictions(self, snap: Snapshot, now: float) -> None:
         for key, ev in list(self._evictions.items()):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from concurrent import futures
@@ -14,6 +13,7 @@ import grpc
 from api.gpuhealth.v1alpha1 import health_pb2, health_pb2_grpc
 from plugin.health.state import DeviceStatus, NodeState, Snapshot, Transition
 from plugin.health.states import Reason
+from plugin.sockets import bind_unix
 
 log = logging.getLogger(__name__)
 
@@ -98,16 +98,9 @@ class HealthServer:
 
     def start(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            self.path.unlink()
-        except FileNotFoundError:
-            pass
-        old = os.umask(0o117)  # 0660: readable by the node's admins group, not the world
-        try:
-            self._server.add_insecure_port(f"unix://{self.path}")
-            self._server.start()
-        finally:
-            os.umask(old)
+        # 0660: for the node's admins group, not the world; born so at its final path, umask untouched (bind_unix).
+        bind_unix(self._server, self.path, 0o660)
+        self._server.start()
         log.info("health API serving on %s", self.path)
 
     def stop(self, grace_s: float = 0.5) -> None:

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from plugin.config import Config
 from plugin.health.state import NodeState, Snapshot, Transition
@@ -289,7 +289,10 @@ class ReporterStatus:
     last_error: str | None = None
     last_error_at: float | None = None
     writes: int = 0  # successful writes to the Node (annotation patches + condition patches)
-    failures: int = 0  # failed requests of any kind
+    failures: int = 0  # failed requests of any kind: write_, read_, client_ and event_failures together
+    write_failures: int = 0  # failed writes to the Node (annotation or condition patches)
+    read_failures: int = 0  # failed reads of the Node
+    client_failures: int = 0  # failed attempts to build the API client (kubeconfig, service account)
     conflicts: int = 0  # 409s answered by a re-read
     reads: int = 0
     last_write_at: float | None = None
@@ -346,11 +349,13 @@ class KubeReporter:
         with self._status_lock:
             self._status = replace(self._status, **changes)
 
-    def _failed(self, what: str, f: ApiFailure, delay: float, events: bool = False) -> None:
+    def _failed(self, what: str, f: ApiFailure, delay: float,
+                kind: Literal["write", "read", "event", "client"]) -> None:
+        """``kind`` names the counter this failure goes to, besides ``failures`` (all kinds)."""
         s = self.status()
-        counter = {"event_failures": s.event_failures + 1} if events else {}
+        counter = f"{kind}_failures"
         self._update(ok=False, last_error=f"{what}: {f}", last_error_at=self._wall(), failures=s.failures + 1,
-                     **counter)
+                     **{counter: getattr(s, counter) + 1})
         # One line per back-off: the back-off paces the attempts, so this cannot flood the log.
         log.warning("cluster reporting: %s failed (%s); retrying in %.1fs", what, f, delay)
         self._logged_error = str(f)
@@ -406,7 +411,7 @@ class KubeReporter:
             try:
                 self._api = self._api_factory()
             except ApiFailure as f:
-                self._failed("building the API client", f, self._node.failed(now))
+                self._failed("building the API client", f, self._node.failed(now), "client")
                 return self._node.blocked_until
         deadlines = [math.inf]
         s = self.settings
@@ -480,7 +485,7 @@ class KubeReporter:
             what = f"reading node {self.settings.node_name}"
             if f.status == 404:
                 f = ApiFailure(404, f"node {self.settings.node_name} does not exist (check --node-name)")
-            self._failed(what, f, self._node.failed(now, f.retry_after))
+            self._failed(what, f, self._node.failed(now, f.retry_after), "read")
             return False
         self._need_read = False
         self._next_resync = now + self.settings.resync_s
@@ -516,7 +521,7 @@ class KubeReporter:
                 writes += 1
         except ApiFailure as f:
             self._need_read = True  # converge from what the server really has once it answers again
-            self._failed(f"writing node {node}", f, self._node.failed(now, f.retry_after))
+            self._failed(f"writing node {node}", f, self._node.failed(now, f.retry_after), "write")
             if writes:
                 self._update(writes=self.status().writes + writes, last_write_at=self._wall())
             return
@@ -537,7 +542,7 @@ class KubeReporter:
             except ApiFailure as f:
                 delay = self._ev_backoff.next_delay(f.retry_after)
                 self._ev_blocked_until = now + delay
-                self._failed(f"posting Event {e.spec.reason} for {e.spec.device}", f, delay, events=True)
+                self._failed(f"posting Event {e.spec.reason} for {e.spec.device}", f, delay, "event")
                 return
             self._ev_backoff.reset()
             self._update(events_written=self.status().events_written + 1)

@@ -80,7 +80,7 @@ class Sources:
     backend: object | None = None  # NVML call errors are read by duck typing: ``call_errors``
     supervisor: Supervisor | None = None
     # Status objects of other outlets, read by duck typing at scrape time (each may be None or absent):
-    # annotations: ``writes``, ``failures``; correlation: ``CorrelationStats``-like counters.
+    # annotations: ``ReporterStatus``-like counters; correlation: ``CorrelationStats``-like counters.
     annotations: Callable[[], object | None] = field(default=lambda: None)
     correlation: Callable[[], object | None] = field(default=lambda: None)
 
@@ -201,10 +201,21 @@ class PluginCollector(Collector):
     def _outlets(self) -> Iterable[Metric]:
         ann = self.src.annotations()
         if ann is not None:
-            yield CounterMetricFamily("gpu_health_annotation_writes", "node annotation writes that succeeded",
-                                      value=_int_attr(ann, "writes") or 0)
-            yield CounterMetricFamily("gpu_health_annotation_write_failures", "node annotation writes that failed",
-                                      value=_int_attr(ann, "failures") or 0)
+            # One series per kind of request: an alert on failed writes must not fire for a failed read, nor a
+            # failed Event hide among the writes.
+            for attr, name, doc in (
+                ("writes", "gpu_health_annotation_writes", "node writes (annotation or condition patches) that "
+                                                           "succeeded"),
+                ("write_failures", "gpu_health_annotation_write_failures",
+                 "node writes (annotation or condition patches) that failed"),
+                ("reads", "gpu_health_node_reads", "reads of the Node that succeeded"),
+                ("read_failures", "gpu_health_node_read_failures", "reads of the Node that failed"),
+                ("events_written", "gpu_health_node_events", "Events on the Node posted or updated"),
+                ("event_failures", "gpu_health_node_event_failures", "Events on the Node that could not be posted"),
+                ("client_failures", "gpu_health_api_client_failures",
+                 "attempts to build the Kubernetes client that failed (kubeconfig, service account)"),
+            ):
+                yield CounterMetricFamily(name, doc, value=_int_attr(ann, attr) or 0)
         corr = self.src.correlation()
         if corr is not None:
             for attr, name, doc in (
@@ -237,9 +248,10 @@ def build_registry(sources: Sources, process: bool = True) -> CollectorRegistry:
 # Probes -----------------------------------------------------------------------------------------------------------
 
 class Probes:
-    """``/healthz``: the process and its health loops are alive. The event loop goes round every fraction of a
-    second and the poller once per interval; either falling behind by more than ``stall_s`` means a stuck thread
-    (a hung driver call, a deadlock), which only a restart fixes. ``/readyz``: registered with the kubelet."""
+    """``/healthz``: the process, its health loops and the supervisor loop are alive. The event loop goes round
+    every fraction of a second and the poller once per interval; either falling behind by more than ``stall_s``
+    means a stuck thread (a hung driver call, a deadlock), which only a restart fixes, as does a supervisor loop
+    that died. ``/readyz``: registered with the kubelet."""
 
     def __init__(self, monitor: Monitor | None, supervisor: Supervisor | None, stall_s: float,
                  clock: Callable[[], float] = time.time) -> None:
@@ -249,6 +261,10 @@ class Probes:
         self.clock = clock
 
     def liveness(self) -> tuple[bool, str]:
+        # A dead supervisor loop never re-registers after a kubelet restart: only a pod restart brings it back.
+        dead = self.supervisor.failure() if self.supervisor is not None else None
+        if dead is not None:
+            return False, f"supervisor loop died: {dead}"
         m = self.monitor
         if m is None:
             return True, "ok: no health loops configured"

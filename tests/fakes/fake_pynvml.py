@@ -5,6 +5,7 @@ code runs unchanged against it."""
 from __future__ import annotations
 
 import queue
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -93,6 +94,14 @@ class FakeNvml:
         self.events: queue.SimpleQueue[SimpleNamespace] = queue.SimpleQueue()
         self.registered: dict[str, int] = {}
         self.c_nvmlGpuFabricInfo_v3_t = FakeFabricInfo
+        # Event-set lifetime, checked the way the driver library would crash on it: freeing a set while a thread
+        # waits on it, waiting on a freed set, freeing twice, or shutting NVML down under a waiter.
+        self.misuse: list[str] = []
+        self.freed: set[str] = set()
+        self.waits_in_flight = 0
+        self.wait_entered = threading.Event()  # set when a wait begins
+        self.hold_waits: threading.Event | None = None  # when given, a wait blocks until it is set, then times out
+        self._life = threading.Lock()
 
     # Plumbing -------------------------------------------------------------------------------------------------
 
@@ -122,6 +131,9 @@ class FakeNvml:
 
     def nvmlShutdown(self) -> None:
         self.calls.append("nvmlShutdown")
+        with self._life:
+            if self.waits_in_flight:
+                self.misuse.append("nvmlShutdown while an event wait is in progress")
 
     def nvmlSystemGetDriverVersion(self) -> str:
         self._check("nvmlSystemGetDriverVersion")
@@ -309,13 +321,30 @@ class FakeNvml:
 
     def nvmlEventSetWait_v2(self, event_set: str, timeout_ms: int) -> Any:
         self._check("nvmlEventSetWait_v2")
+        with self._life:
+            if event_set in self.freed:
+                self.misuse.append("nvmlEventSetWait_v2 on a freed event set")
+            self.waits_in_flight += 1
+        self.wait_entered.set()
         try:
+            if self.hold_waits is not None:
+                self.hold_waits.wait()
+                raise NVMLError(NVML_ERROR_TIMEOUT)
             return self.events.get(timeout=timeout_ms / 1000)
         except queue.Empty:
             raise NVMLError(NVML_ERROR_TIMEOUT) from None
+        finally:
+            with self._life:
+                self.waits_in_flight -= 1
 
     def nvmlEventSetFree(self, event_set: str) -> None:
         self._check("nvmlEventSetFree")
+        with self._life:
+            if self.waits_in_flight:
+                self.misuse.append("nvmlEventSetFree while a wait on it is in progress")
+            if event_set in self.freed:
+                self.misuse.append("nvmlEventSetFree of a freed event set")
+            self.freed.add(event_set)
 
 
 def eight_gpu_node() -> FakeNvml:

@@ -5,10 +5,11 @@ here (the API server is the edge); tests/conformance/apiserver/test_correlation.
 from __future__ import annotations
 
 import json
+import random
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from plugin.outlets.correlation import (
     CorrelationSettings,
     Correlator,
     Holding,
+    PodApi,
     PodResourcesClient,
     PodResourcesError,
     PodView,
@@ -48,11 +50,17 @@ class RecordingApi:
         self.cond = threading.Condition()
         self.evict_answers: list[int] = []  # HTTP status per eviction attempt; 201 when empty
         self.missing: set[tuple[str, str]] = set()
+        self.failing: dict[str, int] = {}  # call kind -> how many more of its calls fail with a 503
 
     def _record(self, kind: str, detail: Any) -> None:
         with self.cond:
-            self.calls.append((kind, detail))
+            left = self.failing.get(kind, 0)
+            if left:
+                self.failing[kind] = left - 1
+            self.calls.append((f"{kind}-refused" if left else kind, detail))
             self.cond.notify_all()
+        if left:
+            raise ApiFailure(503, f"{kind} refused: the API server is unavailable")
 
     def of(self, kind: str) -> list[Any]:
         with self.cond:
@@ -102,7 +110,7 @@ class Rig:
         self.monitor.poll_once()
 
 
-def build(tmp: Path, **settings: Any) -> Rig:
+def build(tmp: Path, api_factory: Callable[[RecordingApi], PodApi] | None = None, **settings: Any) -> Rig:
     node = NodeFile(tmp / "node.json")
     backend = SimulatedBackend(node.path)
     state = NodeState()
@@ -113,7 +121,9 @@ def build(tmp: Path, **settings: Any) -> Rig:
     opts: dict[str, Any] = {"states": frozenset({"Unhealthy"}), "resources": (WholeGpus(),), "node_name": "node-a",
                             "lookup_retry_initial_s": 0.05, "evict_retry_initial_s": 0.05}
     opts.update(settings)
-    corr = Correlator(state, CorrelationSettings(**opts), PodResourcesClient(tmp / "pr.sock"), lambda: api)
+    factory = (lambda: api_factory(api)) if api_factory is not None else (lambda: api)
+    corr = Correlator(state, CorrelationSettings(**opts), PodResourcesClient(tmp / "pr.sock"), factory,
+                      rng=random.Random(7))
     monitor.poll_once()  # the devices appear: Absent -> Healthy transitions, nothing to act on
     return Rig(node, backend, state, monitor, kubelet, api, corr)
 
@@ -254,6 +264,66 @@ def test_kubelet_unavailable_is_retried_and_the_pod_still_told(short_socket_dir:
         r.fault(6, row_remap_failure=True)
         r.correlator.step(next_at + 1)
         assert len(r.api.of("event")) == 1
+    finally:
+        r.kubelet.stop()
+        r.backend.close()
+
+
+def test_event_is_kept_and_retried_with_backoff_until_posted_exactly_once(short_socket_dir: Path) -> None:
+    """Building the client fails twice, then posting the Event fails three times: the pod/device/state is kept and
+    retried with growing, capped, jittered delays, and exactly one Event goes out in the end."""
+    builds = {"n": 0}
+
+    def factory(api: RecordingApi) -> PodApi:
+        builds["n"] += 1
+        if builds["n"] <= 2:
+            raise ApiFailure(None, "cannot configure a Kubernetes client: no service account token yet")
+        return api
+
+    r = build(short_socket_dir, api_factory=factory, annotate=True, act_retry_initial_s=1.0, act_retry_max_s=4.0)
+    try:
+        uuid = r.node.uuids[1]
+        r.kubelet.assign("ml", "train-0", "worker", GPU, uuid)
+        r.api.failing = {"event": 3, "annotate": 1}
+        r.fault(1, row_remap_failure=True)
+        t = 100.0
+        delays = []
+        for _ in range(50):
+            next_at = r.correlator.step(t)
+            if next_at == float("inf"):
+                break
+            assert next_at > t  # a back-off, never a hot loop
+            delays.append(next_at - t)
+            t = next_at
+        assert builds["n"] == 3 and len(r.api.of("event-refused")) == 3
+        assert len(delays) == 5  # two client builds and three refused Events, each followed by a back-off
+        caps = [min(4.0, 1.0 * 2**n) for n in range(len(delays))]  # doubling from 1 s, capped at 4 s
+        assert all(cap / 2 <= d <= cap for d, cap in zip(delays, caps, strict=True)), delays
+        assert len(set(delays)) == len(delays)  # jittered: no two retries in lockstep
+        events = r.api.of("event")
+        assert len(events) == 1 and uuid in events[0]["message"]
+        assert events[0]["involvedObject"]["uid"] == "uid-ml-train-0"
+        assert r.api.of("annotate") == [("ml", "train-0", {"gpu-health.io/failing-devices": f"{uuid}=Unhealthy"})]
+        assert r.correlator.stats.events_posted == 1 and r.correlator.stats.event_failures == 5
+        r.monitor.poll_once()
+        assert r.correlator.step(t + 1000.0) == float("inf") and len(r.api.of("event")) == 1  # told once
+    finally:
+        r.kubelet.stop()
+        r.backend.close()
+
+
+def test_retry_stops_when_the_device_no_longer_is_in_that_state(short_socket_dir: Path) -> None:
+    r = build(short_socket_dir)
+    try:
+        r.kubelet.assign("ml", "train-0", "worker", GPU, r.node.uuids[2])
+        r.api.failing = {"event": 1000}
+        r.fault(2, row_remap_failure=True)
+        next_at = r.correlator.step(100.0)
+        assert 100.0 < next_at < float("inf") and len(r.api.of("event-refused")) == 1
+        r.fault(2, row_remap_failure=None)  # recovered before the API server came back
+        r.api.failing = {}
+        assert r.correlator.step(next_at) == float("inf")
+        assert r.api.of("event") == [] and len(r.api.of("event-refused")) == 1
     finally:
         r.kubelet.stop()
         r.backend.close()

@@ -79,3 +79,22 @@ def test_annotations_follow_faults_and_survive_an_api_outage(reporting_env: Env,
     assert e.wait_state(lambda: reporter.status().ok)
     listed = e.app.health_server.servicer.List(health_pb2.ListRequest(), None)  # type: ignore[arg-type]
     assert dict(listed.outlet_errors) == {}
+
+
+def test_an_idle_node_polling_every_tenth_of_a_second_writes_nothing(reporting_env: Env,
+                                                                     api: FakeApiServer) -> None:
+    """The reporter's pacing here is 20 writes/s, so a ``since`` that moved with each poll would show at once."""
+    e = reporting_env
+    assert api.wait_for(lambda: all(_device(api, i).get("state") == "Healthy" for i in range(8)))
+    polls = e.app.monitor.polls
+    patches = api.count("PATCH")
+
+    def patched() -> int:  # called by wait_for under the server's lock: read the list without taking it again
+        return sum(1 for r in api.requests if r.method == "PATCH")
+
+    # Waits on the fake server's request events: returns early (and fails) at the first PATCH.
+    assert not api.wait_for(lambda: patched() > patches, timeout=3.0), api.requests[-3:]
+    assert e.app.monitor.polls - polls >= 10  # the plugin really was polling all along
+    e.node.set(4, xid_events=[79])
+    assert api.wait_for(lambda: _device(api, 4).get("state") == "Unhealthy")
+    assert not api.wait_for(lambda: patched() > patches + 1, timeout=1.0), api.requests[-3:]

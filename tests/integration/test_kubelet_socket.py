@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import stat
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -12,7 +13,7 @@ import pytest
 from api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from plugin.app import App
 from plugin.kubelet.standin import KubeletStandin
-from tests.conftest import NodeFile
+from tests.conftest import NodeFile, wait_until
 from tests.integration.conftest import Env, make_config
 
 
@@ -51,12 +52,17 @@ def test_kubelet_restart_re_registers_and_keeps_health(env: Env) -> None:
     assert env.kubelet.registrations[-1][2] != first_endpoint  # a fresh socket name per server instance
     assert env.kubelet.health(env.node.uuids[5]) == "Unhealthy"
     assert not (env.cfg.device_plugin_dir / first_endpoint).exists()
+    # Both signals of the restart (our socket deleted, kubelet.sock created) are judged: one registration.
+    assert env.app.supervisor.wait_settled(10)
+    assert len(env.kubelet.registrations) == 2
 
 
 def test_our_socket_deleted_triggers_re_registration(env: Env) -> None:
     endpoint = env.kubelet.registrations[-1][2]
     (env.cfg.device_plugin_dir / endpoint).unlink()
     assert env.wait_kubelet(lambda: len(env.kubelet.registrations) == 2)
+    assert env.app.supervisor.wait_settled(10)
+    assert len(env.kubelet.registrations) == 2
     assert env.kubelet.registrations[-1][2] != endpoint
     assert env.wait_kubelet(lambda: env.kubelet.capacity() == (8, 8))
 
@@ -65,11 +71,15 @@ def test_registration_waits_for_a_late_kubelet(short_socket_dir: Path, dev_root:
     node = NodeFile(short_socket_dir / "node.json")
     app = App(make_config(short_socket_dir, node, dev_root))
     app.start()
+    kubelet = KubeletStandin(short_socket_dir / "dp")
     try:
-        kubelet = KubeletStandin(short_socket_dir / "dp")
+        # The kubelet is late only once the plugin already serves with nobody to register with.
+        assert wait_until(lambda: any(p.name != "kubelet.sock" for p in (short_socket_dir / "dp").glob("*.sock")),
+                          lambda t: time.sleep(min(t, 0.05))), "the plugin never started serving"
         kubelet.start()  # creates kubelet.sock: the plugin registers at once
         assert kubelet.wait_for(lambda: kubelet.capacity() == (8, 8), 10)
-        assert app.supervisor.record.failures >= 0 and app.supervisor.record.registered
+        assert app.supervisor.record.registered
+        assert len(kubelet.registrations) == 1 and app.supervisor.record.registrations == 1
     finally:
         app.stop.set()
         app.shutdown()

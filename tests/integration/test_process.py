@@ -26,6 +26,17 @@ def start_plugin(root: Path, *extra: str, backend: str = "simulated") -> subproc
     return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def list_devices(socket: Path) -> list[str]:
+    """The device IDs the health API at ``socket`` answers with."""
+    import grpc
+
+    from api.gpuhealth.v1alpha1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(f"unix://{socket}") as ch:
+        resp = health_pb2_grpc.DeviceHealthStub(ch).List(health_pb2.ListRequest(), timeout=10)
+    return [d.id for d in resp.devices]
+
+
 @pytest.fixture
 def kubelet(short_socket_dir: Path) -> Iterator[KubeletStandin]:
     k = KubeletStandin(short_socket_dir / "dp")
@@ -124,3 +135,66 @@ def test_nvml_missing_with_fail_on_init_error_false_serves_no_devices(short_sock
     finally:
         rc, _, out = stop(proc)
     assert rc == 0 and "NVML unavailable" in out
+
+
+def test_relative_paths_are_taken_against_the_working_directory(short_socket_dir: Path,
+                                                                 kubelet: KubeletStandin) -> None:
+    import json
+
+    node = NodeFile(short_socket_dir / "node.json")
+    (short_socket_dir / "elsewhere").mkdir()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), GPU_HEALTH_HEALTH_SOCKET="api/health.sock")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "plugin", "run", "--backend", "simulated", "--simulated-node", "node.json",
+         "--device-plugin-dir", "dp", "--state-dir", "./state", "--dev-root", ".", "--poll-interval", "0.1",
+         "--metrics-address", "off", "--log-format", "json"],
+        cwd=short_socket_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert kubelet.wait_for(lambda: kubelet.capacity() == (8, 8), 30)
+        assert sorted(list_devices(short_socket_dir / "api" / "health.sock")) == sorted(node.uuids)
+        assert (short_socket_dir / "state" / "plugin.lock").exists()
+    finally:
+        rc, _, out = stop(proc)
+    assert rc == 0, out
+    first = next(json.loads(line) for line in out.splitlines() if '"effective config' in line)
+    effective = json.loads(first["msg"].split(":", 1)[1])
+    root = str(short_socket_dir)
+    assert effective["simulated_node"] == f"{root}/node.json"
+    assert effective["device_plugin_dir"] == f"{root}/dp"
+    assert effective["state_dir"] == f"{root}/state"
+    assert effective["health_socket"] == f"{root}/api/health.sock"
+    assert effective["dev_root"] == root
+
+
+def test_a_second_instance_on_the_same_state_dir_refuses_and_the_first_keeps_serving(
+        short_socket_dir: Path, kubelet: KubeletStandin) -> None:
+    node = NodeFile(short_socket_dir / "node.json")
+    first = start_plugin(short_socket_dir, "--metrics-address", "off")
+    health_sock = short_socket_dir / "state" / "health.sock"
+    try:
+        assert kubelet.wait_for(lambda: kubelet.capacity() == (8, 8), 30)
+        second = start_plugin(short_socket_dir, "--metrics-address", "off")
+        try:
+            out, _ = second.communicate(timeout=30)
+        finally:
+            if second.poll() is None:  # it started despite the first: that is the failure being tested
+                second.kill()
+                second.communicate()
+        assert second.returncode == 1, out
+        assert "Traceback" not in out
+        assert f"--state-dir {short_socket_dir / 'state'} is in use by another gpu-health-plugin (pid {first.pid}" \
+            in out
+        # The first still owns its sockets and its registration.
+        assert first.poll() is None
+        assert sorted(list_devices(health_sock)) == sorted(node.uuids)
+        assert len(kubelet.registrations) == 1
+        # A holder that dies hard leaves the lock file behind, but not the lock: a new instance starts.
+        first.kill()
+        first.wait(10)
+        first = start_plugin(short_socket_dir, "--metrics-address", "off")
+        assert kubelet.wait_for(lambda: len(kubelet.registrations) == 2 and kubelet.capacity() == (8, 8), 30)
+        assert sorted(list_devices(health_sock)) == sorted(node.uuids)
+    finally:
+        if first.poll() is None:
+            rc, _, out = stop(first)
+            assert rc == 0, out

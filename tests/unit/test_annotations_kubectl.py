@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import sys
 from pathlib import Path
@@ -78,3 +79,35 @@ def test_runs_kubectl_with_the_given_flags(tmp_path: Path, nodes_file: Path,
     fake.write_text("#!/bin/sh\necho 'error: You must be logged in to the server (Unauthorized)' >&2\nexit 1\n")
     assert kubectl_plugin.main(["--kubectl", str(fake)]) == 1
     assert "kubectl get nodes failed: error: You must be logged in" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ['{"kind": "List", "items": [', '{\n  "kind": x}'])
+def test_bad_json_names_the_input_and_the_position(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str], text: str) -> None:
+    with pytest.raises(json.JSONDecodeError) as bad:  # where json itself places the error
+        json.loads(text)
+    position = f"line {bad.value.lineno} column {bad.value.colno}"
+    saved = tmp_path / "nodes.json"
+    saved.write_text(text)
+    assert kubectl_plugin.main(["--from-file", str(saved)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"kubectl gpu-health: --from-file {saved}: ") and position in err
+    assert len(err.splitlines()) == 1
+    monkeypatch.setattr(sys, "stdin", io.StringIO(text))
+    assert kubectl_plugin.main(["--from-file", "-"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kubectl gpu-health: --from-file -: stdin: ") and position in err
+
+
+def test_unreadable_or_odd_inputs_are_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "missing.json"
+    assert kubectl_plugin.main(["--from-file", str(missing)]) == 1
+    assert f"--from-file {missing}: cannot read" in capsys.readouterr().err
+    binary = tmp_path / "nodes.bin"
+    binary.write_bytes(b"\xff\xfe\x00{")
+    assert kubectl_plugin.main(["--from-file", str(binary)]) == 1
+    assert f"--from-file {binary}: cannot read" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "stdin", io.StringIO('{"items": 5}'))
+    assert kubectl_plugin.main(["--from-file", "-"]) == 1
+    assert "--from-file -: stdin: not a node list" in capsys.readouterr().err

@@ -65,7 +65,7 @@ def test_json_file_and_health_section(tmp_path: Path) -> None:
     ({}, {}, "version: v1\nhealth:\n  kubeletHealth:\n    Degraded: Maybe\n", "health.kubeletHealth.Degraded"),
     ({}, {}, "version: v1\nhealth:\n  flap:\n    often: 3\n", "health.flap.often"),
     ({}, {}, "version: v1\nnonsense: {}\n", "nonsense"),
-    ({}, {}, "version: v1\nplugin: [\n", "config"),
+    ({}, {}, "version: v1\nplugin: [\n", "--config"),
 ])
 def test_invalid_values_name_the_field(tmp_path: Path, flags: dict[str, object], env: dict[str, str],
                                        text: str | None, field: str) -> None:
@@ -75,9 +75,95 @@ def test_invalid_values_name_the_field(tmp_path: Path, flags: dict[str, object],
     assert err.value.field == field, str(err.value)
 
 
-def test_simulated_node_needs_simulated_backend(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="simulated_node"):
-        load({"simulated_node": str(tmp_path / "n.json")}, {}, None)
+@pytest.mark.parametrize(("flags", "env", "text", "named"), [
+    ({"simulated_node": "n.json"}, {}, None, "--simulated-node"),
+    ({}, {"GPU_HEALTH_SIMULATED_NODE": "n.json"}, None, "GPU_HEALTH_SIMULATED_NODE"),
+    ({}, {}, "version: v1\nplugin:\n  simulatedNode: n.json\n", "plugin.simulatedNode"),
+])
+def test_simulated_node_needs_simulated_backend_named_as_the_user_set_it(
+        tmp_path: Path, flags: dict[str, object], env: dict[str, str], text: str | None, named: str) -> None:
+    f = write(tmp_path, text) if text is not None else None
+    with pytest.raises(ConfigError) as err:
+        load(flags, env, f)
+    assert err.value.field == named
+    assert str(err.value).startswith(f"{named}: only valid with --backend simulated (the backend is nvml)")
+    assert "simulated_node" not in str(err.value)
+
+
+def test_the_backend_that_conflicts_is_named_where_it_was_set() -> None:
+    with pytest.raises(ConfigError) as err:
+        load({"simulated_node": "n.json"}, {"GPU_HEALTH_BACKEND": "nvml"}, None)
+    assert "set by GPU_HEALTH_BACKEND" in str(err.value)
+
+
+PATH_OPTIONS = ("simulated_node", "device_plugin_dir", "state_dir", "health_socket", "dev_root",
+                "pod_resources_socket", "kubeconfig")
+
+
+@pytest.mark.parametrize("source", ["flag", "env", "file"])
+@pytest.mark.parametrize("name", PATH_OPTIONS)
+def test_relative_paths_are_taken_against_the_working_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, name: str) -> None:
+    from plugin.config import BY_NAME
+
+    o = BY_NAME[name]
+    monkeypatch.chdir(tmp_path)
+    flags: dict[str, object] = {"backend": "simulated"}
+    env: dict[str, str] = {}
+    file = None
+    if source == "flag":
+        flags[name] = "rel/../sub/x"
+    elif source == "env":
+        env[o.env] = "rel/../sub/x"
+    else:
+        file = write(tmp_path, f"version: v1\nplugin:\n  {o.key}: rel/../sub/x\n")
+    cfg = load(flags, env, file)
+    monkeypatch.chdir("/")  # a later change of directory must not move the path
+    assert getattr(cfg, name) == tmp_path / "sub" / "x"
+    assert cfg.effective()[name] == str(tmp_path / "sub" / "x")
+
+
+def test_a_relative_config_file_is_read_from_the_working_directory(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    write(tmp_path, "version: v1\nplugin:\n  pollInterval: 7\n")
+    monkeypatch.chdir(tmp_path)
+    assert load(NO_FLAGS, {}, Path("config.yaml")).poll_interval == 7
+
+
+def test_health_socket_default_follows_a_relative_state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    cfg = load({"state_dir": "state"}, {}, None)
+    assert cfg.health_socket_path == tmp_path / "state" / "health.sock"
+
+
+def test_run_help_shows_the_real_defaults_and_the_choices(capsys: pytest.CaptureFixture[str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from plugin import cli
+
+    monkeypatch.setenv("COLUMNS", "2000")  # one line per option: no wrapping to match across
+    with pytest.raises(SystemExit) as done:
+        cli.main(["run", "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "None" not in out and "Path(" not in out and "()" not in out
+    assert "{nvml,simulated}" in out and "{text,json}" in out
+
+    from plugin.config import OPTIONS, default_text
+    # One entry per option: its first line starts with the flag, the help may follow on the next line.
+    entries = {e.split()[0]: " ".join(e.split()) for e in ("\n" + out).split("\n  -")[1:]}
+    entries = {"-" + k: v for k, v in entries.items()}
+    defaults = load(NO_FLAGS, {}, None)
+    for o in OPTIONS:
+        line = entries[o.flag]
+        if o.choices:
+            assert "{" + ",".join(o.choices) + "}" in line, line
+        shown = default_text(o)
+        if shown is None:
+            continue  # unset by default; the option's help says what that means
+        assert f"(env {o.env}; default: {shown})" in line, line
+        # What --help shows as the default, fed back in, is what the program uses when the option is unset.
+        assert o.parse(shown) == getattr(defaults, o.name), o.flag
+    assert "health.sock in the state dir" in entries["--health-socket"]
 
 
 def test_cli_exits_2_naming_the_field(tmp_path: Path) -> None:

@@ -157,7 +157,7 @@ def test_strict_validation_rejects_a_misspelt_field(rendered: dict[str, list[dic
         kubernetes_validate.validate(ds, KUBE_VERSIONS[-1], strict=True)
     container(ds)["securityContext"]["readOnlyRootFilesystem"] = "yes"
     del ds["spec"]["template"]["spec"]["hostNetwrok"]
-    with pytest.raises(kubernetes_validate.ValidationError):
+    with pytest.raises(kubernetes_validate.ValidationError, match="'yes' is not of type 'boolean'"):
         kubernetes_validate.validate(ds, KUBE_VERSIONS[-1], strict=True)
 
 

@@ -196,11 +196,17 @@ def test_annotation_and_correlation_status_are_read_by_duck_typing(node: Node) -
                                  correlation=lambda: status.get("corr")), process=False)
     s = scrape(reg)
     assert value(s, "gpu_health_annotation_writes_total") is None  # the outlet is off: no series at all
-    status["ann"] = SimpleNamespace(writes=7, failures=2, last_error="boom")
+    # ``failures`` is every kind together; only the failed writes are annotation write failures.
+    status["ann"] = SimpleNamespace(writes=7, failures=9, write_failures=2, read_failures=3, event_failures=4,
+                                    events_written=5, last_error="boom")
     status["corr"] = SimpleNamespace(events_posted=3, evictions_evicted=1, evictions_blocked=2)
     s = scrape(reg)
     assert value(s, "gpu_health_annotation_writes_total") == 7
     assert value(s, "gpu_health_annotation_write_failures_total") == 2
+    assert value(s, "gpu_health_node_read_failures_total") == 3
+    assert value(s, "gpu_health_node_event_failures_total") == 4
+    assert value(s, "gpu_health_node_events_total") == 5
+    assert value(s, "gpu_health_api_client_failures_total") == 0
     assert value(s, "gpu_health_pod_events_total") == 3
     assert value(s, "gpu_health_pod_evictions_total", result="evicted") == 1
     assert value(s, "gpu_health_pod_evictions_total", result="blocked") == 2

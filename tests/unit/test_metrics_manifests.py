@@ -86,7 +86,7 @@ def test_dashboard_is_importable() -> None:
     dash = json.loads(DASHBOARD.read_text())
     assert dash["uid"] and dash["title"] and dash["schemaVersion"] >= 30
     ids = [p["id"] for p in dash["panels"]]
-    assert len(ids) == len(set(ids))
+    assert ids and len(ids) == len(set(ids))
     for p in dash["panels"]:
         assert p["datasource"]["uid"] == "${datasource}", p["title"]
         assert all(t["refId"] for t in p["targets"])

@@ -157,6 +157,7 @@ def test_fault_matrix_discovery(nv: FakeNvml, call: str, error: str) -> None:
     nv.fail[(call, "GPU-fake-1")] = error
     b = NvmlBackend(nv)
     uuids = [g.uuid for g in b.discover().gpus]
+    assert call in nv.calls, f"{call} never called: the fault was never injected"
     if call == "nvmlDeviceGetUUID":
         assert "GPU-fake-1" not in uuids and len(uuids) == 7  # a GPU we cannot name is not advertised
     else:
@@ -234,3 +235,56 @@ def test_event_through_monitor_reaches_node_state(nv: FakeNvml) -> None:
         monitor.join(2.0)
         b.close()
     assert "nvmlEventSetFree" in nv.calls and "nvmlShutdown" in nv.calls
+
+
+def test_close_during_an_event_wait_frees_the_set_only_after_the_wait_returns(nv: FakeNvml) -> None:
+    # The shutdown order the app uses when the event thread is slow to stop: close() while a wait is in flight.
+    b = NvmlBackend(nv)
+    nv.hold_waits = threading.Event()
+    waiter = threading.Thread(target=b.wait_events, args=(0.25,), daemon=True)
+    waiter.start()
+    assert nv.wait_entered.wait(10.0)
+    b.close()
+    assert nv.misuse == [] and "nvmlEventSetFree" not in nv.calls and "nvmlShutdown" not in nv.calls
+    nv.hold_waits.set()  # the wait returns (times out) ...
+    waiter.join(10.0)
+    assert not waiter.is_alive()
+    # ... and the set is freed then, once, and NVML shut down after it.
+    assert nv.misuse == []
+    calls = list(nv.calls)
+    assert calls.count("nvmlEventSetFree") == 1 and calls.count("nvmlShutdown") == 1
+    assert calls.index("nvmlEventSetFree") < calls.index("nvmlShutdown")
+    # A wait after close never touches the freed set.
+    assert b.wait_events(0.0) == () and nv.misuse == []
+
+
+def test_close_with_no_wait_in_flight_frees_at_once_and_only_once(nv: FakeNvml) -> None:
+    b = NvmlBackend(nv)
+    assert b.wait_events(0.01) == ()
+    b.close()
+    b.close()
+    calls = list(nv.calls)
+    assert calls.count("nvmlEventSetFree") == 1 and calls.count("nvmlShutdown") == 1 and nv.misuse == []
+
+
+def test_call_errors_from_concurrent_threads_are_all_counted(nv: FakeNvml) -> None:
+    # The poll thread and the event thread both fail calls while metrics reads the counter. (Under CPython's GIL
+    # an unlocked ``+=`` rarely loses an update; a free-threaded build would lose many.)
+    b = NvmlBackend(nv)
+    nv.fail[("nvmlDeviceGetTemperature", None)] = "unknown"
+    gpu = b.discover().gpus[0]
+    per_thread, threads = 300, 4
+    start = threading.Barrier(threads)
+
+    def hammer() -> None:
+        start.wait()
+        for _ in range(per_thread):
+            b.read(gpu)
+
+    workers = [threading.Thread(target=hammer) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(30.0)
+    assert b.call_errors == per_thread * threads
+    b.close()

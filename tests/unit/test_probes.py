@@ -210,8 +210,10 @@ def test_http_server_serves_metrics_and_probes(loops: Loops, tmp_path: Path) -> 
         assert get(base + "/nope")[0] == 404
     finally:
         server.stop()
-    with pytest.raises(OSError):
+    with pytest.raises(OSError) as err:
         urllib.request.urlopen(f"http://127.0.0.1:{server.port}/healthz", timeout=2)
+    # An HTTPError is an OSError too, but it is an answer (the 503 above): the server must be gone.
+    assert not isinstance(err.value, urllib.error.HTTPError), err.value
 
 
 def test_ipv6_and_bad_addresses(loops: Loops) -> None:

@@ -283,6 +283,7 @@ def test_cached_encoding_equals_the_message_built_field_by_field(tmp_path: Path,
     doc["gpus"][5]["numa_node"] = None  # a device without a NUMA node carries no topology
     n = Node(tmp_path / "node.json", doc)
     rs = n.resources(strategy, sharing).values()
+    assert rs, "no resources: the loops below would check nothing"
     for r in rs:
         assert r.response(n.state.snapshot()) == to_response(r.devices(n.state.snapshot())), r.name
     n.change(4, nvlink_down=[0])  # after a change, from the partly cached encodings

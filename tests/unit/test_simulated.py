@@ -33,7 +33,8 @@ def test_builtin_node_is_an_8_gpu_h100_like_node() -> None:
     (lambda d: d["gpus"][3]["signals"].__setitem__("clock_event_reasons", ["idle"]), "clock_event_reasons"),
     (lambda d: d["gpus"][3]["signals"].__setitem__("pcie_link", {"gen": 0}), "pcie_link.gen"),
     (lambda d: d["gpus"][3]["signals"].__setitem__("lost", "yes"), "signals.lost: expected true or false"),
-    (lambda d: d["gpus"][0].__setitem__("nvlink_peers", [9]), "nvlink_peers: 9 is not another GPU's index"),
+    (lambda d: d["gpus"][0].__setitem__("nvlink_peers", [1, 0]), "nvlink_peers: 0 is this GPU's own index"),
+    (lambda d: d["gpus"][0].__setitem__("nvlink_peers", [1, "two"]), "nvlink_peers: expected an integer"),
 ])
 def test_malformed_node_names_field_and_gpu(mutate: object, needle: str) -> None:
     doc = builtin_node()
@@ -120,3 +121,39 @@ def test_gpus_added_and_removed(node_file: NodeFile) -> None:
 def test_unreadable_file_at_start_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(NodeFileError, match="cannot read"):
         SimulatedBackend(tmp_path / "missing.json")
+
+
+def test_gpu_removed_without_editing_its_peers_leaves_their_links_down(node_file: NodeFile,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """GPU 3 falls off the bus: it goes from the file and nothing else changes. Its NVLink peers 0, 1 and 2 (an
+    island of four) read their link to it as down, so health shows it; the other island is untouched."""
+    b = SimulatedBackend(node_file.path)
+    gone = node_file.doc["gpus"].pop(3)
+    node_file.write()
+    with caplog.at_level("WARNING", "plugin.devices.simulated"):
+        assert b.reload(), b.last_error
+        gpus = {g.index: g for g in b.discover().gpus}
+        assert sorted(gpus) == [0, 1, 2, 4, 5, 6, 7]
+        # Link k goes to the k-th entry of nvlink_peers: GPU 0 [1, 2, 3] -> link 2, GPU 1 [0, 2, 3] -> link 2.
+        downs = {i: b.read(gpus[i]).nvlink_down for i in gpus}
+        assert downs == {0: (2,), 1: (2,), 2: (2,), 4: (), 5: (), 6: (), 7: ()}
+        assert gpus[0].nvlink_peers == (1, 2) and gpus[4].nvlink_peers == (5, 6, 7)  # only links with a far end
+        reasons = evaluate_reading(b.read(gpus[1]), None, HealthConfig())
+        assert [(r.code, r.message) for r in reasons] == [("nvlink-down", "NVLink down: link 2")]
+        assert evaluate_reading(b.read(gpus[5]), None, HealthConfig()) == []
+        # The same file read again, and polled again, is not news: one warning per link, not per reload or poll.
+        for _ in range(3):
+            assert b.reload()
+            b.read(gpus[0])
+    warnings = [r.getMessage() for r in caplog.records if "not in the node file" in r.getMessage()]
+    assert len(warnings) == 3 and all("GPU index 3" in w for w in warnings), warnings
+    # A link the file says is down anyway stays down once, whatever the cause.
+    node_file.set(1, nvlink_down=[2, 0])
+    assert b.reload() and b.read(gpus[1]).nvlink_down == (0, 2)
+    # The GPU comes back: its peers' links are up again.
+    node_file.doc["gpus"].insert(3, gone)
+    node_file.set(1, nvlink_down=None)
+    assert b.reload()
+    again = {g.index: g for g in b.discover().gpus}
+    assert [b.read(again[i]).nvlink_down for i in (0, 1, 2, 3)] == [(), (), (), ()]
+    assert again[0].nvlink_peers == (1, 2, 3)

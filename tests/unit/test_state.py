@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from plugin.devices.model import Gpu
-from plugin.health.state import ABSENT, DeviceStatus, NodeState, StateStore, Transition
+from plugin.health.state import ABSENT, DeviceStatus, NodeState, Snapshot, StateStore, Transition
 from plugin.health.states import Reason, State
 
 GPU = Gpu(uuid="GPU-a", index=0)
@@ -50,13 +51,23 @@ def test_bounded_history_and_resume() -> None:
     assert s.transitions_since(2) is None  # fell out of the history: the client must resync
 
 
+def _returns(wait: Callable[[], Snapshot]) -> Snapshot:
+    """Run a wait with no timeout in a thread: only a wake-up can end it, so a missed notify shows as a hang."""
+    out: list[Snapshot] = []
+    t = threading.Thread(target=lambda: out.append(wait()), daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "the waiter was never woken"
+    return out[0]
+
+
 def test_wait_for_change_wakes_on_publish_and_on_close() -> None:
     s = NodeState()
     v = s.snapshot().version
     threading.Timer(0.05, lambda: s.publish([status(State.HEALTHY)], 1.0)).start()
-    assert s.wait_for_change(v, 5.0).version == v + 1
+    assert _returns(lambda: s.wait_for_change(v, None)).version == v + 1
     threading.Timer(0.05, s.close).start()
-    s.wait_for_change(v + 1, 5.0)
+    assert _returns(lambda: s.wait_for_change(v + 1, None)).version == v + 1
     assert s.closed
 
 

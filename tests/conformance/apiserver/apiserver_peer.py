@@ -103,6 +103,17 @@ class ApiServerPeer:
         token_file = work / "tokens.csv"
         token_file.write_text(f'{admin_token},admin,admin-uid,"system:masters"\n')
         token_file.chmod(0o600)
+        # Every write to a Node is audited, so tests count the plugin's writes from the server's side (a no-op
+        # PATCH changes no resourceVersion and never shows on a watch, but it still costs the server).
+        audit_policy = work / "audit-policy.json"
+        audit_policy.write_text(json.dumps({
+            "apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived"],
+            "rules": [
+                {"level": "Metadata", "verbs": ["create", "update", "patch", "delete"],
+                 "resources": [{"group": "", "resources": ["nodes", "nodes/status"]}]},
+                {"level": "None"},
+            ],
+        }))
 
         etcd_port, peer_port, secure_port = _free_port(), _free_port(), _free_port()
         etcd_url = f"http://127.0.0.1:{etcd_port}"
@@ -163,6 +174,9 @@ class ApiServerPeer:
                     "--endpoint-reconciler-type=none",
                     "--enable-priority-and-fairness=false",
                     "--profiling=false",
+                    f"--audit-policy-file={audit_policy}",
+                    f"--audit-log-path={work / 'audit.log'}",
+                    "--audit-log-mode=blocking",  # an entry is on disk when the response is sent
                     # ValidatingAdmissionPolicy (GA, on by default since 1.30) and the node name in
                     # Pod-bound service-account tokens (ServiceAccountTokenPodNodeInfo, GA and locked on
                     # since 1.32) need no flags on 1.37; test_apiserver_peer.py checks both work.
@@ -224,6 +238,28 @@ class ApiServerPeer:
         self._procs.clear()
         if not os.environ.get("GPU_HEALTH_KEEP_APISERVER"):
             shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def node_writes(self, name: str) -> list[dict[str, Any]]:
+        """Every completed write to Node ``name`` (and its status) from the audit log, oldest first: verb,
+        subresource, user, HTTP code and time."""
+        out = []
+        try:
+            text = (self.workdir / "audit.log").read_text()
+        except FileNotFoundError:
+            return []
+        for line in text.splitlines():
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue  # a line being written right now
+            ref = e.get("objectRef") or {}
+            if e.get("stage") != "ResponseComplete" or ref.get("resource") != "nodes" or ref.get("name") != name:
+                continue
+            out.append({"verb": e.get("verb"), "subresource": ref.get("subresource", ""),
+                        "user": (e.get("user") or {}).get("username", ""),
+                        "code": (e.get("responseStatus") or {}).get("code"),
+                        "time": e.get("stageTimestamp", "")})
+        return out
 
     def log_tail(self, name: str = "kube-apiserver", lines: int = 40) -> str:
         return _tail(self._logs[name], lines)

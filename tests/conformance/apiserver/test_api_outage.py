@@ -24,6 +24,7 @@ from plugin.config import Config
 from plugin.health.policy import HealthConfig
 from plugin.kubelet.standin import KubeletStandin
 from plugin.outlets.annotations import parse_node
+from plugin.outlets.condition import desired_condition, find_condition
 from tests.conftest import NodeFile
 
 pytestmark = [pytest.mark.conformance, pytest.mark.slow]
@@ -135,9 +136,15 @@ def test_two_minute_outage_during_transitions_converges(apiserver: Any, proxy: F
         return dict(r.body["metadata"].get("annotations") or {})
 
     def converged() -> bool:
-        entries = {e.id: e.state for e in parse_node(node_name, on_node())}
-        states = {d.id: d.state.value for d in app.state.snapshot().devices}
-        return entries == states
+        # Annotations and the condition are two PATCHes (metadata, then status): the node has converged only when
+        # both show the plugin's state. Checking the annotations alone raced with the second write.
+        r = apiserver.request("GET", f"/api/v1/nodes/{node_name}")
+        assert r.ok, r.body
+        snap = app.state.snapshot()
+        entries = {e.id: e.state for e in parse_node(node_name, dict(r.body["metadata"].get("annotations") or {}))}
+        states = {d.id: d.state.value for d in snap.devices}
+        wanted = desired_condition(snap, "GPUHealthy")
+        return entries == states and wanted.same_as(find_condition(r.body["status"].get("conditions"), wanted.type))
 
     try:
         assert kubelet.wait_for(lambda: kubelet.capacity() == (8, 8), 30)
