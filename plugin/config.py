@@ -325,7 +325,9 @@ class Config:
         out["health"] = {
             "fatal_xids": sorted(h.fatal_xids), "degraded_xids": sorted(h.degraded_xids),
             "application_xids": sorted(h.application_xids), "ignored_xids": sorted(h.ignored_xids),
-            "clear_after_polls": h.clear_after_polls, "overrides": h.overrides,
+            "clear_after_polls": h.clear_after_polls, "rate_hold_s": h.rate_hold_s,
+            "ecc_corrected_limit": h.ecc_corrected_limit, "ecc_corrected_rate_per_min": h.ecc_corrected_rate_per_min,
+            "overrides": h.overrides,
             "kubelet_health": {k.value: v for k, v in h.kubelet_health.items()},
         }
         return out

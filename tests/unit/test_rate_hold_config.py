@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from plugin.config import ConfigError, parse_health
+from plugin.config import ConfigError, load, parse_health
 from plugin.health.policy import HealthConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,3 +35,9 @@ def test_the_health_docs_describe_the_hold() -> None:
     config_doc = (ROOT / "docs" / "config.md").read_text()
     assert "health.rateHoldSeconds" in config_doc and "health.thresholds.eccCorrectedRatePerMinute" in config_doc
     assert "rateHoldSeconds" in (ROOT / "docs" / "health.md").read_text()
+
+
+def test_the_effective_config_log_shows_the_rate_settings() -> None:
+    cfg = load({}, {}, None)
+    effective = cfg.effective()["health"]
+    assert effective["rate_hold_s"] == 600.0 and effective["ecc_corrected_rate_per_min"] is None
