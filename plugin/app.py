@@ -27,6 +27,7 @@ from plugin.outlets.health_api import HealthServer
 from plugin.outlets.kube import make_reporter
 from plugin.outlets.metrics import make_metrics_server
 from plugin.sharing import build_resources, profiles_of
+from plugin.sockets import UNIX_PATH_MAX
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +77,6 @@ class StartupError(Exception):
     naming the option as the user set it, the path and the OS error."""
 
 
-# sun_path holds 108 bytes with the terminating NUL.
-MAX_SOCKET_PATH = 107
 LOCK_FILE = "plugin.lock"
 
 
@@ -160,9 +159,9 @@ def check_paths(cfg: Config) -> None:
     _usable_dir(cfg.device_plugin_dir, cfg.name_of("device_plugin_dir"))
     sock = cfg.health_socket_path
     label = cfg.name_of("health_socket") if cfg.health_socket is not None else cfg.name_of("state_dir")
-    if len(os.fsencode(sock)) > MAX_SOCKET_PATH:
+    if len(os.fsencode(sock)) > UNIX_PATH_MAX:
         raise StartupError(f"{label}: the health socket path {sock} is {len(os.fsencode(sock))} bytes; a unix "
-                           f"socket path has at most {MAX_SOCKET_PATH}")
+                           f"socket path has at most {UNIX_PATH_MAX}")
     if cfg.health_socket is not None:
         _usable_dir(sock.parent, label, file=sock)
     if sock.is_dir():

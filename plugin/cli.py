@@ -35,12 +35,8 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
             p.add_argument(o.flag, dest=o.name, default=None, metavar=metavar, help=help_text)
 
 
-def _option(name: str) -> config_mod.Option:
-    return next(o for o in config_mod.OPTIONS if o.name == name)
-
-
 def _health_socket_arg(p: argparse.ArgumentParser) -> None:
-    sock, state = _option("health_socket"), _option("state_dir")
+    sock, state = config_mod.BY_NAME["health_socket"], config_mod.BY_NAME["state_dir"]
     p.add_argument("--health-socket", type=Path, default=None, metavar="PATH",
                    help=f"the plugin's health API socket (env {sock.env}; default: health.sock in the state dir)")
     p.add_argument("--state-dir", type=Path, default=None, metavar="DIR",
@@ -183,7 +179,7 @@ def _run(args: argparse.Namespace) -> int:
 def _socket_path(args: argparse.Namespace, env: Mapping[str, str]) -> Path:
     """The socket the plugin serves its health API on, found the way the plugin picks it: --health-socket, then
     GPU_HEALTH_HEALTH_SOCKET, then health.sock in the state dir (--state-dir, GPU_HEALTH_STATE_DIR, the default)."""
-    sock, state = _option("health_socket"), _option("state_dir")
+    sock, state = config_mod.BY_NAME["health_socket"], config_mod.BY_NAME["state_dir"]
     if args.health_socket is not None:
         path = Path(args.health_socket)
     elif env.get(sock.env):
