@@ -125,7 +125,8 @@ class Demo:
         self.kubelet.on_update = self.draw
         self.kubelet.start()
         self.app.start()
-        ok = self.wait("registration", lambda: self.kubelet.capacity() == (8, 8))
+        # The kubelet sees our devices inside its Register call, a moment before the plugin records the round.
+        ok = self.wait("registration", lambda: self.kubelet.capacity() == (8, 8) and self._registrations() == 1)
         # The view goes live with the registration already in its events, so no frame shows a registered plugin
         # under an empty event list.
         with self._draw_lock:
@@ -151,7 +152,7 @@ class Demo:
             ("kubelet restarts (sockets wiped): the plugin re-registers, GPU 5 stays Unhealthy",
              self.kubelet.restart,
              lambda: self.kubelet.capacity() == (8, 7) and self.kubelet.view() is not None
-             and self.kubelet.view().connected),  # type: ignore[union-attr]
+             and self.kubelet.view().connected and self._registrations() == 2),  # type: ignore[union-attr]
             ("GPU 6 loses NVLink 2: Unhealthy", lambda: self.signals(6, nvlink_down=[2]),
              lambda: self.kubelet.capacity() == (8, 6)),
             ("GPU 6 NVLink back: recovers", lambda: self.signals(6, nvlink_down=None),
@@ -179,6 +180,9 @@ class Demo:
         self.kubelet.stop()
         print("\ndemo finished: " + ("every step behaved as expected" if ok else "SOME STEPS FAILED"))
         return 0 if ok else 1
+
+    def _registrations(self) -> int:
+        return self.app.supervisor.record.registrations
 
     def _state(self, index: int) -> str:
         d = self.app.state.snapshot().get(self.uuids[index])

@@ -78,6 +78,7 @@ def test_registration_waits_for_a_late_kubelet(short_socket_dir: Path, dev_root:
                           lambda t: time.sleep(min(t, 0.05))), "the plugin never started serving"
         kubelet.start()  # creates kubelet.sock: the plugin registers at once
         assert kubelet.wait_for(lambda: kubelet.capacity() == (8, 8), 10)
+        assert app.supervisor.wait_settled(10)  # the kubelet sees our devices before Register returns to us
         assert app.supervisor.record.registered
         assert len(kubelet.registrations) == 1 and app.supervisor.record.registrations == 1
     finally:
