@@ -1,0 +1,103 @@
+"""The local cluster's Go binaries, built once per version through tests/conformance/_gobuild.py and cached beside
+the conformance peers (~/.cache/gpu-health-device-plugin/<name>-<version>-<hash>/).
+
+    kube-apiserver, kubectl, etcd   the API-server peer's own targets (tests/conformance/apiserver/_binaries.py)
+    kubelet, kube-scheduler,        go/kube: k8s.io/kubernetes/cmd/..., the same release
+      kube-controller-manager
+    containerd, ctr,                go/containerd: containerd 2.x
+      containerd-shim-runc-v2
+    runc                            go/runc: cgo, seccomp (libseccomp-dev, pkg-config)
+
+    python3 scripts/localcluster/binaries.py      # build or reuse all, print name<TAB>path
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+
+CONTAINERD_VERSION = "v2.4.2"
+RUNC_VERSION = "v1.2.6"
+
+
+def _load(name: str, path: Path) -> ModuleType:
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+peer = _load("_apiserver_binaries", REPO / "tests" / "conformance" / "apiserver" / "_binaries.py")
+gobuild = peer.gobuild
+KUBERNETES_VERSION: str = peer.KUBERNETES_VERSION
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    module: Path
+    package: str
+    version: str
+    ldflags: str = "-s -w"
+    cgo: bool = False
+    tags: tuple[str, ...] = ()
+
+
+_KUBE = HERE / "go" / "kube"
+_CTRD = HERE / "go" / "containerd"
+_CTRD_LDFLAGS = f"-s -w -X github.com/containerd/containerd/v2/version.Version={CONTAINERD_VERSION}"
+
+TARGETS = (
+    Target("kubelet", _KUBE, "k8s.io/kubernetes/cmd/kubelet", KUBERNETES_VERSION, peer._KUBE_LDFLAGS),
+    Target("kube-scheduler", _KUBE, "k8s.io/kubernetes/cmd/kube-scheduler", KUBERNETES_VERSION, peer._KUBE_LDFLAGS),
+    Target("kube-controller-manager", _KUBE, "k8s.io/kubernetes/cmd/kube-controller-manager", KUBERNETES_VERSION,
+           peer._KUBE_LDFLAGS),
+    Target("containerd", _CTRD, "github.com/containerd/containerd/v2/cmd/containerd", CONTAINERD_VERSION,
+           _CTRD_LDFLAGS),
+    Target("containerd-shim-runc-v2", _CTRD, "github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2",
+           CONTAINERD_VERSION, _CTRD_LDFLAGS),
+    Target("ctr", _CTRD, "github.com/containerd/containerd/v2/cmd/ctr", CONTAINERD_VERSION, _CTRD_LDFLAGS),
+    # runc links libseccomp, so it is the one cgo build here.
+    Target("runc", HERE / "go" / "runc", "github.com/opencontainers/runc", RUNC_VERSION,
+           f"-s -w -X main.version={RUNC_VERSION.lstrip('v')}", cgo=True, tags=("seccomp",)),
+)
+
+BuildErrors = peer.BuildErrors
+
+
+def build(target: Target) -> Path:
+    env = {"CGO_ENABLED": "1" if target.cgo else "0"}
+    path: Path = gobuild.build(target.module, target.package, target.name, env, version=target.version,
+                               ldflags=target.ldflags, tags=target.tags)
+    return path
+
+
+def build_all(log: bool = False) -> dict[str, Path]:
+    """Every binary the cluster runs, by name: the peer's, then ours."""
+    paths: dict[str, Path] = {}
+    for name, path in peer.build_all().items():
+        paths[name] = Path(path)
+    for target in TARGETS:
+        if log:
+            print(f"{target.name} {target.version}: building or reusing ...", file=sys.stderr, flush=True)
+        paths[target.name] = build(target)
+    return paths
+
+
+if __name__ == "__main__":
+    try:
+        for name, path in build_all(log=True).items():
+            print(f"{name}\t{path}", flush=True)
+    except BuildErrors as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,234 @@
+"""The user stories on a real local cluster (docs/local-cluster.md): the plugin deployed from its own image as the
+DaemonSet, pods placed by the real scheduler and admitted by the real kubelet on containerd and runc.
+
+The stories run in order on one cluster, each starting from what the one before left; each says what it needs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.request
+
+import pytest
+import yaml
+
+from scripts.localcluster import images
+from tests.e2e.conftest import NS, REPO, RES, Local, NodeWatch
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+ISLANDS = ({0, 1, 2, 3}, {4, 5, 6, 7})
+
+
+def _island(indices: set[int]) -> bool:
+    return any(indices <= i for i in ISLANDS)
+
+
+def test_1_a_pod_gets_two_gpus_of_one_island_and_nine_do_not_fit(local: Local) -> None:
+    assert local.gpus("capacity") == 8 and local.gpus() == 8
+    local.apply(local.gpu_pod("two", 2))
+    uuids = local.visible_devices("two")
+    assert len(uuids) == 2
+    assert _island({local.index_of(u) for u in uuids}), f"not one NVLink island: {uuids}"
+    # The container saw the device nodes Allocate named.
+    log = local.logs("two")
+    assert "nvidiactl" in log and all(f"nvidia{local.index_of(u)}" in log for u in uuids)
+    local.apply(local.gpu_pod("nine", 9))
+    assert f"Insufficient {RES}" in local.unschedulable("nine")
+    local.kubectl("delete", "pod", "-n", NS, "nine", "--wait=false")
+
+
+def test_2_a_fatal_fault_reaches_node_pod_and_scheduler(local: Local) -> None:
+    held = local.visible_devices("two")
+    bad = local.index_of(held[0])
+    before = time.time()
+    local.signals(bad, xid_events=[79])
+    local.wait_gpus(7)
+    assert local.gpus("capacity") == 8
+    # The pod holding the GPU: its status names the device Unhealthy (the kubelet's ResourceHealthStatus) ...
+    deadline = time.monotonic() + 60
+    while local.allocated_health("two").get(held[0]) != "Unhealthy":
+        assert time.monotonic() < deadline, local.allocated_health("two")
+        time.sleep(0.5)
+    assert local.allocated_health("two")[held[1]] == "Healthy"
+    # ... and it gets the plugin's Event, found through the real kubelet's PodResources API.
+    deadline = time.monotonic() + 60
+    while not any(e["reason"] == "GPUUnhealthy" for e in local.events(NS, "Pod", "two")):
+        assert time.monotonic() < deadline, "no GPUUnhealthy Event on the pod"
+        time.sleep(0.5)
+    # The node: annotation with the reason, kubectl gpu-health, an Event.
+    ann = local.wait_annotation(bad, lambda a: a["state"] == "Unhealthy")
+    assert ann["id"] == held[0] and ann["reasons"][0]["code"] == "xid-79"
+    table = local.kubectl("gpu-health", "--node", local.node)
+    row = next(ln for ln in table.splitlines() if held[0] in ln)
+    assert "Unhealthy" in row and "xid-79" in row
+    assert any(e["reason"] == "GPUUnhealthy" and held[0] in e["message"] for e in
+               local.events("default", "Node", local.node)), local.events("default", "Node", local.node)
+    # Eight no longer fit.
+    local.apply(local.gpu_pod("eight", 8))
+    assert f"Insufficient {RES}" in local.unschedulable("eight")
+    assert time.time() - before < 120
+
+
+def test_3_recovery_brings_eight_back_and_the_pending_pod_runs(local: Local) -> None:
+    bad = local.index_of(local.visible_devices("two")[0])
+    # The pod holding the GPU goes, so eight can fit once the GPU is back.
+    local.kubectl("delete", "pod", "-n", NS, "two", "--grace-period=1")
+    local.reset_gpu(bad)
+    local.wait_gpus(8)
+    local.wait_annotation(bad, lambda a: a["state"] == "Healthy")
+    local.wait("pod/eight", "condition=PodScheduled", 120, NS)
+    assert len(local.visible_devices("eight")) == 8
+    local.kubectl("delete", "pod", "-n", NS, "eight", "--grace-period=1")
+    local.wait("pod/eight", "delete", 60, NS)
+
+
+def test_4_a_degraded_gpu_stays_allocatable_and_new_pods_get_a_healthy_one(local: Local) -> None:
+    # All GPUs but one run hot: the kubelet must pick the one healthy GPU through GetPreferredAllocation.
+    hot = [0, 1, 2, 3, 4, 5, 7]
+    for i in hot:
+        local.signals(i, temperature_c=90)
+    for i in hot:
+        local.wait_annotation(i, lambda a: a["state"] == "Degraded")
+    assert local.gpus() == 8  # Degraded is still allocatable
+    assert any(r["code"] == "thermal-slowdown" for r in local.annotation(0)["reasons"])  # type: ignore[index]
+    local.apply(local.gpu_pod("one", 1))
+    assert local.visible_devices("one") == [local.node_file.uuids[6]]
+    local.kubectl("delete", "pod", "-n", NS, "one", "--grace-period=1")
+    for i in hot:
+        local.signals(i, temperature_c=None)
+    for i in hot:
+        local.wait_annotation(i, lambda a: a["state"] == "Healthy")
+
+
+def _metric(name: str, labels: str = "") -> int:
+    # The plugin's pod is on the host network: its metrics port is the host's.
+    with urllib.request.urlopen("http://127.0.0.1:9402/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.M)
+    return int(float(m.group(1))) if m else 0
+
+
+def _registrations(local: Local) -> int:
+    return _metric("gpu_health_registrations_total")
+
+
+def test_5_kubelet_restart_re_registers_once_and_keeps_latched_health(local: Local) -> None:
+    local.apply(local.gpu_pod("steady", 1))
+    steady = local.visible_devices("steady")[0]
+    latched = next(i for i in range(8) if local.node_file.uuids[i] != steady)
+    local.signals(latched, xid_events=[79])
+    local.wait_gpus(7)
+    local.wait_annotation(latched, lambda a: a["state"] == "Unhealthy")
+    before = local.get("pod", "steady", NS)["status"]["containerStatuses"][0]
+    regs = _registrations(local)
+    local.restart_kubelet()
+    local.wait(f"node/{local.node}", "condition=Ready", 120)
+    local.wait_gpus(7)
+    deadline = time.monotonic() + 30
+    while _registrations(local) < regs + 1:
+        assert time.monotonic() < deadline, "the plugin did not register again"
+        time.sleep(0.5)
+    assert local.gpus("capacity") == 8
+    after = local.get("pod", "steady", NS)["status"]["containerStatuses"][0]
+    assert after["containerID"] == before["containerID"] and after["restartCount"] == 0 and "running" in after["state"]
+    # Once: a second registration would show as the count moving on while nothing else happens.
+    assert _registrations(local) == regs + 1
+
+
+def _latched_index(local: Local) -> int:
+    return next(i for i in range(8) if (a := local.annotation(i)) and a["state"] == "Unhealthy")
+
+
+def test_6_plugin_pod_replaced_and_rolled_keeps_latched_faults(local: Local) -> None:
+    latched = _latched_index(local)
+    watch = NodeWatch(local, "{.status.allocatable.nvidia\\.com/gpu}")
+    try:
+        old = local.plugin_pods()[0]["metadata"]["name"]
+        local.kubectl("delete", "pod", "-n", "gpu-health-system", old)
+        local.kubectl("-n", "gpu-health-system", "rollout", "status", "daemonset/gpu-health-device-plugin",
+                      "--timeout=180s", timeout=200)
+        local.wait_gpus(7)
+        # A rolling update to a rebuilt image.
+        ref = images.rebuild_plugin("e2e-rebuilt")
+        local.c.import_image(ref.archive)
+        local.kubectl("-n", "gpu-health-system", "set", "image", "daemonset/gpu-health-device-plugin",
+                      f"plugin={ref.ref}")
+        local.kubectl("-n", "gpu-health-system", "rollout", "status", "daemonset/gpu-health-device-plugin",
+                      "--timeout=180s", timeout=200)
+        pods = local.plugin_pods()
+        assert [p["spec"]["containers"][0]["image"] for p in pods] == [ref.ref]
+        local.wait_gpus(7)
+        assert local.annotation(latched)["state"] == "Unhealthy"  # type: ignore[index]
+    finally:
+        seen = watch.stop()
+    # While the plugin was away the kubelet showed 0; never 8, which would mean the faulty GPU looked Healthy.
+    assert "8" not in seen, seen
+    assert "7" in seen
+
+
+def test_7_remediation_evicts_and_the_job_retries_without_counting_it(local: Local) -> None:
+    latched = _latched_index(local)
+    local.reset_gpu(latched)
+    local.wait_gpus(8)
+    local.kubectl("apply", "-k", str(local.c.overlay("local-cluster-remediation")))
+    local.kubectl("-n", "gpu-health-system", "rollout", "status", "daemonset/gpu-health-device-plugin",
+                  "--timeout=180s", timeout=200)
+    job = yaml.safe_load((REPO / "docs" / "recipes" / "gpu-job-retry.yaml").read_text())
+    job["metadata"]["namespace"] = NS
+    pod = job["spec"]["template"]["spec"]
+    pod["containers"][0].update(image=local.info["workload_image"], imagePullPolicy="Never")
+    pod["terminationGracePeriodSeconds"] = 2
+    # A budget that allows no disruption at all: the plugin's eviction must be refused and the pod keep running.
+    # (A Job has no scale subresource, so only an integer minAvailable is computed for its pods.)
+    pdb = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+           "metadata": {"name": "train", "namespace": NS},
+           "spec": {"minAvailable": 1, "selector": {"matchLabels": {"job-name": job["metadata"]["name"]}}}}
+    local.apply(pdb, job)
+    name = job["metadata"]["name"]
+    first = _job_pod(local, name)
+    uuid = local.visible_devices(first)[0]
+    local.wait("pdb/train", "jsonpath={.status.currentHealthy}=1", 60, NS)
+    blocked = _metric("gpu_health_pod_evictions_total", '{result="blocked"}')
+    local.signals(local.index_of(uuid), xid_events=[79])
+    deadline = time.monotonic() + 60
+    while _metric("gpu_health_pod_evictions_total", '{result="blocked"}') == blocked:
+        assert time.monotonic() < deadline, "the plugin never asked to evict the pod"
+        time.sleep(0.5)
+    pod = local.get("pod", first, NS)
+    assert pod["status"]["phase"] == "Running" and "deletionTimestamp" not in pod["metadata"]
+    # The budget allows it now: the plugin's next try evicts the pod.
+    local.kubectl("patch", "pdb", "train", "-n", NS, "--type=merge", "-p", '{"spec":{"minAvailable":0}}')
+    local.wait(f"pod/{first}", "condition=DisruptionTarget", 120, NS)
+    cond = next(c for c in local.get("pod", first, NS)["status"]["conditions"] if c["type"] == "DisruptionTarget")
+    assert cond["reason"] == "EvictionByEvictionAPI"
+    second = _job_pod(local, name, not_named=first)
+    assert local.visible_devices(second)[0] != uuid
+    status = local.get("job", name, NS)["status"]
+    assert status.get("failed", 0) == 0, status  # the eviction did not count against backoffLimit
+    local.kubectl("delete", "job", "-n", NS, name, "--cascade=foreground", "--wait=false")
+
+
+def _job_pod(local: Local, job: str, not_named: str | None = None, timeout: float = 120) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        items = json.loads(local.kubectl("get", "pods", "-n", NS, "-l", f"job-name={job}", "-o", "json"))["items"]
+        names = [p["metadata"]["name"] for p in items if p["metadata"]["name"] != not_named
+                 and p["status"].get("phase") in ("Pending", "Running")]
+        if names:
+            return str(names[0])
+        assert time.monotonic() < deadline, f"no pod of job {job}"
+        time.sleep(0.5)
+
+
+def test_8_uninstall_takes_the_gpus_away_and_the_documented_cleanup_removes_the_rest(local: Local) -> None:
+    local.kubectl("delete", "-k", str(local.c.overlay("local-cluster-remediation")), "--wait=true", timeout=200)
+    local.wait_gpus(0)
+    # The kubelet keeps the resource's capacity for its 5-minute grace period after the plugin went away.
+    local.wait_gpus(0, field="capacity", timeout=400)
+    local.c.remove_reporting()
+    meta = local.node_json()
+    assert not [k for k in meta["metadata"].get("annotations", {}) if k.startswith("gpu-health.io/")]
+    assert not [c for c in meta["status"]["conditions"] if c["type"] == "GPUHealthy"]
