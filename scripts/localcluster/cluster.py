@@ -183,13 +183,18 @@ def cgroup_version() -> int:
     return 2 if Path("/sys/fs/cgroup/cgroup.controllers").exists() else 1
 
 
-def check_host(layout: Layout) -> None:
-    """Refuse, with one line saying what is missing, before anything is made."""
+def require_root() -> None:
     if os.geteuid() != 0:
         raise ClusterError("must run as root (the kubelet, containerd and runc need it)")
+
+
+def check_host(layout: Layout) -> None:
+    """Refuse, with one line saying what is missing, before anything is made."""
+    require_root()
     filesystems = Path("/proc/filesystems").read_text()
     if "overlay" not in filesystems:
-        run(["modprobe", "overlay"], check=False)
+        if shutil.which("modprobe"):
+            run(["modprobe", "overlay"], check=False)
         if "overlay" not in Path("/proc/filesystems").read_text():
             raise ClusterError("the kernel has no overlay filesystem (containerd's snapshotter needs it)")
     if not Path("/proc/self/ns/net").exists():
@@ -547,6 +552,7 @@ class Cluster:
     def up(self, images: Callable[[], dict[str, Any]], binaries: Callable[[], dict[str, Path]],
            ready_timeout: float = 180) -> dict[str, Any]:
         lay = self.layout
+        require_root()
         lay.work.mkdir(parents=True, exist_ok=True)
         with self._lock():
             running = [n for n in COMPONENTS if component_pid(lay, n) is not None]
@@ -572,6 +578,7 @@ class Cluster:
             return info
 
     def down(self) -> list[str]:
+        require_root()
         with self._lock():
             return self._teardown()
 
@@ -710,6 +717,7 @@ class Cluster:
         lay = self.layout
         return {
             "kubeconfig": str(lay.kubeconfig),
+            "kubectl": str(lay.bin / "kubectl"),
             "node_name": NODE_NAME,
             "node_file": str(lay.node_file),
             "plugin_image": imgs["plugin"]["ref"],

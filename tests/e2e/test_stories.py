@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import time
 import urllib.request
 
@@ -24,6 +25,20 @@ ISLANDS = ({0, 1, 2, 3}, {4, 5, 6, 7})
 
 def _island(indices: set[int]) -> bool:
     return any(indices <= i for i in ISLANDS)
+
+
+def test_0_status_prints_the_up_json_and_a_second_up_is_refused(local: Local) -> None:
+    script = str(REPO / "scripts" / "local-cluster")
+    status = subprocess.run([script, "status"], capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    info = json.loads(status.stdout)
+    for key in ("kubeconfig", "node_name", "node_file", "plugin_image", "workload_image", "logs"):
+        assert info[key] == local.info[key]
+    assert info["running"] is True
+    second = subprocess.run([script, "up"], capture_output=True, text=True, timeout=120)
+    assert second.returncode == 1
+    assert second.stderr.strip().splitlines()[-1].startswith("local-cluster: a local cluster already runs")
+    assert local.gpus("allocatable") == 8  # and the running one is untouched
 
 
 def test_1_a_pod_gets_two_gpus_of_one_island_and_nine_do_not_fit(local: Local) -> None:

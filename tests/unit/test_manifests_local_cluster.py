@@ -1,0 +1,54 @@
+"""The local cluster's overlays (manifests/overlays/local-cluster*): valid, accepted by the plugin, and pointing
+the DaemonSet at the paths scripts/local-cluster makes. They run for real in tests/e2e."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+
+from scripts.localcluster import cluster as lc
+from tests.unit.test_manifests import KUBE_VERSIONS, MANIFESTS, NAME, _plugin_config, container, find, kubectl, render
+
+__all__ = ["kubectl"]  # the fixture, shared with test_manifests
+
+OVERLAYS = ("local-cluster", "local-cluster-remediation")
+
+
+@pytest.fixture(scope="module")
+def rendered(kubectl: Path) -> dict[str, list[dict[str, Any]]]:
+    return {o: render(kubectl, MANIFESTS / "overlays" / o) for o in OVERLAYS}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_valid_and_accepted_by_the_plugin(rendered: dict[str, list[dict[str, Any]]], overlay: str,
+                                          tmp_path: Path) -> None:
+    for obj in rendered[overlay]:
+        kubernetes_validate.validate(obj, KUBE_VERSIONS[-1], strict=True)
+    cfg, mounts = _plugin_config(rendered[overlay], tmp_path)
+    layout = lc.Layout()
+    assert cfg.backend == "simulated"
+    assert cfg.simulated_node == layout.node_file and str(layout.node_dir) in mounts
+    assert cfg.dev_root == layout.dev_root and str(layout.dev_root) in mounts
+    assert cfg.node_condition is True
+    assert (cfg.remediate == "evict") is (overlay == "local-cluster-remediation")
+    ds = find(rendered[overlay], "DaemonSet", NAME)
+    spec = ds["spec"]["template"]["spec"]
+    assert "runtimeClassName" not in spec and spec["hostNetwork"] is True
+    host = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
+    assert host["pod-resources"] == str(layout.kubelet_root / "pod-resources")
+    assert host["device-plugins"] == str(lc.DEVICE_PLUGIN_DIR)
+    assert host["node"] == str(layout.node_dir) and host["devroot"] == str(layout.dev_root)
+    env = {e["name"]: e.get("value") for e in container(ds)["env"]}
+    assert (env["KUBERNETES_SERVICE_HOST"], env["KUBERNETES_SERVICE_PORT"]) == ("127.0.0.1", str(lc.API_PORT))
+    assert container(ds)["image"] == "localhost/gpu-health-device-plugin:0.1.0"
+
+
+def test_the_base_is_what_users_apply(rendered: dict[str, list[dict[str, Any]]], kubectl: Path) -> None:
+    # Only the DaemonSet differs from the base (+ node condition); every other object is the same.
+    users = {(o["kind"], o["metadata"]["name"]): o for o in render(kubectl, MANIFESTS / "overlays" / "node-condition")}
+    ours = {(o["kind"], o["metadata"]["name"]): o for o in rendered["local-cluster"]}
+    assert set(users) == set(ours)
+    assert [k for k in users if users[k] != ours[k]] == [("DaemonSet", NAME)]
