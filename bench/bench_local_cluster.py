@@ -141,6 +141,19 @@ def pod_health(pod: Obj) -> dict[str, str]:
     return out
 
 
+def state_is(index: int, state: str) -> Callable[[Obj], bool]:
+    return lambda node: (annotation(node, index) or {}).get("state") == state
+
+
+def recovery_asked(index: int) -> Callable[[Obj], bool]:
+    return lambda node: any(str(r.get("code", "")).startswith("recovery-action")
+                            for r in (annotation(node, index) or {}).get("reasons", []))
+
+
+def device_is(uuid: str, health: str) -> Callable[[Obj], bool]:
+    return lambda pod: pod_health(pod).get(uuid) == health
+
+
 class NodeFile:
     """The simulated node file, rewritten atomically as a fault injector would."""
 
@@ -186,7 +199,7 @@ def plugin_poll_interval(c: lc.Cluster) -> str:
             for text in cm.get("data", {}).values():
                 for line in text.splitlines():
                     if line.strip().startswith("pollInterval:"):
-                        return line.split(":", 1)[1].strip() + "s"
+                        return f"{line.split(':', 1)[1].strip()}s"
     except (ValueError, KeyError):
         pass
     return "unknown"
@@ -216,21 +229,15 @@ def run_faults(c: lc.Cluster, info: Obj, faults: int) -> Obj:
             uuid = nf.uuid(i)
             t0 = nf.signals(i, xid_events=[79])
             ta = node_w.wait_for(lambda n: allocatable(n) == 7, t0, what=f"fault {k}: allocatable 7")
-            tb = pod_w.wait_for(lambda p, u=uuid: pod_health(p).get(u) == "Unhealthy", t0,
-                                what=f"fault {k}: pod device Unhealthy")
-            tc = node_w.wait_for(lambda n, i=i: (annotation(n, i) or {}).get("state") == "Unhealthy", t0,
-                                 what=f"fault {k}: annotation Unhealthy")
+            tb = pod_w.wait_for(device_is(uuid, "Unhealthy"), t0, what=f"fault {k}: pod device Unhealthy")
+            tc = node_w.wait_for(state_is(i, "Unhealthy"), t0, what=f"fault {k}: annotation Unhealthy")
             # Clear the latch the way a GPU reset looks to NVML.
             t_ask = nf.signals(i, recovery_action="gpu_reset")
-            node_w.wait_for(lambda n, i=i: any(str(r.get("code", "")).startswith("recovery-action")
-                                               for r in (annotation(n, i) or {}).get("reasons", [])),
-                            t_ask, what=f"fault {k}: recovery-action reason")
+            node_w.wait_for(recovery_asked(i), t_ask, what=f"fault {k}: recovery-action reason")
             t_reset = nf.signals(i, recovery_action="none", xid_events=None)
             tr = node_w.wait_for(lambda n: allocatable(n) == 8, t_reset, what=f"fault {k}: allocatable 8 again")
-            th = node_w.wait_for(lambda n, i=i: (annotation(n, i) or {}).get("state") == "Healthy", t_reset,
-                                 what=f"fault {k}: annotation Healthy again")
-            tp = pod_w.wait_for(lambda p, u=uuid: pod_health(p).get(u) == "Healthy", t_reset,
-                                what=f"fault {k}: pod device Healthy again")
+            th = node_w.wait_for(state_is(i, "Healthy"), t_reset, what=f"fault {k}: annotation Healthy again")
+            tp = pod_w.wait_for(device_is(uuid, "Healthy"), t_reset, what=f"fault {k}: pod device Healthy again")
             rows.append({"gpu": i, "a": ta - t0, "b": tb - t0, "c": tc - t0, "recovery_allocatable": tr - t_reset,
                          "recovery_annotation": th - t_reset, "recovery_pod": tp - t_reset})
             print(f"fault {k} gpu {i}: a {rows[-1]['a']:.2f}s b {rows[-1]['b']:.2f}s c {rows[-1]['c']:.2f}s "
@@ -274,8 +281,10 @@ def cold_up(c: lc.Cluster, timeout: float) -> Obj:
     try:
         os.environ["GPU_HEALTH_CACHE_DIR"] = str(tmp / "cache")
         os.environ["GOCACHE"] = str(tmp / "gocache")
+        phases: Obj = {}
         started = time.monotonic()
-        c.up(cli._images, cli._binaries, ready_timeout=timeout)
+        c.up(timed(cli._images, phases, "images_s"), timed(cli._binaries, phases, "binaries_s"),
+             ready_timeout=timeout)
         secs = time.monotonic() - started
     finally:
         for k, v in saved.items():
@@ -285,9 +294,20 @@ def cold_up(c: lc.Cluster, timeout: float) -> Obj:
                 os.environ[k] = v
         clean = down_checked(c)
         shutil.rmtree(tmp, ignore_errors=True)
-    return {"seconds": round(secs, 1), "plugin_cache": "empty (GPU_HEALTH_CACHE_DIR)",
+    return {"seconds": round(secs, 1), "phases": phases, "plugin_cache": "empty (GPU_HEALTH_CACHE_DIR)",
             "go_build_cache": "empty (GOCACHE)", "go_modules": "Go module downloads cached (GOMODCACHE kept)",
             "leftovers_after_down": not clean}
+
+
+def timed(fn: Callable[[], Any], phases: Obj, name: str) -> Callable[[], Any]:
+    """fn, with its seconds recorded: up's build-or-reuse steps, apart from starting the components."""
+    def go() -> Any:
+        started = time.monotonic()
+        try:
+            return fn()
+        finally:
+            phases[name] = round(time.monotonic() - started, 1)
+    return go
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -312,9 +332,12 @@ def main() -> int:
     ok = True
     try:
         if args.faults > 0 or not args.cold:
+            phases: Obj = {}
             started = time.monotonic()
-            info = c.up(cli._images, cli._binaries, ready_timeout=args.timeout)
+            info = c.up(timed(cli._images, phases, "images_s"), timed(cli._binaries, phases, "binaries_s"),
+                        ready_timeout=args.timeout)
             results["up_warm_s"] = round(time.monotonic() - started, 1)
+            results["up_warm_phases"] = phases
             started = time.monotonic()
             c.deploy()
             results["deploy_s"] = round(time.monotonic() - started, 1)

@@ -257,7 +257,7 @@ def _host_networks() -> list[ipaddress.IPv4Network]:
     nets = []
     for link in json.loads(out):
         for a in link.get("addr_info", []):
-            nets.append(ipaddress.ip_network(f"{a['local']}/{a['prefixlen']}", strict=False))
+            nets.append(ipaddress.IPv4Network(f"{a['local']}/{a['prefixlen']}", strict=False))
     return nets
 
 
@@ -828,9 +828,9 @@ class Cluster:
                     done.append(f"sysctl {t}={v}")
         # 6. Files outside the work dir, then the work dir itself.
         if CONTAINER_LOG_LINKS.is_dir():
-            for link in CONTAINER_LOG_LINKS.iterdir():
-                if link.is_symlink() and os.readlink(link).startswith(work):
-                    link.unlink()
+            for entry in CONTAINER_LOG_LINKS.iterdir():
+                if entry.is_symlink() and os.readlink(entry).startswith(work):
+                    entry.unlink()
             with contextlib.suppress(OSError):
                 if items.get("container_log_links_created"):
                     CONTAINER_LOG_LINKS.rmdir()

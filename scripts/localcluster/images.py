@@ -23,7 +23,6 @@ import contextlib
 import fcntl
 import functools
 import hashlib
-import importlib.util
 import json
 import os
 import re
@@ -38,7 +37,6 @@ import tomllib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
@@ -92,19 +90,9 @@ class Image:
     id: str
 
 
-def _load(name: str, path: Path) -> ModuleType:
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-# Same module name as tests/conformance/apiserver/_binaries.py uses, so one copy is loaded.
-gobuild = _load("_gobuild", REPO / "tests" / "conformance" / "_gobuild.py")
+if str(REPO) not in sys.path:  # run as a script: python3 scripts/localcluster/images.py
+    sys.path.insert(0, str(REPO))
+from scripts.localcluster.binaries import gobuild  # noqa: E402  (one _gobuild for the binaries and the images)
 
 
 def images_root() -> Path:
@@ -271,13 +259,25 @@ def _cached(name: str, key: str) -> Image | None:
     return Image(ref=data["ref"], archive=archive, id=data["id"])
 
 
-def _publish(name: str, key: str, ref: str, produce: Callable[[Path, Path], None], extra: dict[str, object]) -> Image:
-    """Run produce(archive, log_file) in a scratch directory, then move the finished entry into place."""
-    root = images_root()
-    entry = _entry_dir(name, key)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=root))
+@contextlib.contextmanager
+def _staged(entry: Path) -> Iterator[Path]:
+    """A scratch directory beside ``entry`` that becomes ``entry`` when the block succeeds, and vanishes if not."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
     tmp.chmod(0o755)
     try:
+        yield tmp
+        if entry.exists():
+            shutil.rmtree(entry)
+        os.replace(tmp, entry)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _publish(name: str, key: str, ref: str, produce: Callable[[Path, Path], None], extra: dict[str, object]) -> Image:
+    """Run produce(archive, log_file) in a scratch directory, then move the finished entry into place."""
+    entry = _entry_dir(name, key)
+    with _staged(entry) as tmp:
         started = time.monotonic()
         produce(tmp / ARCHIVE, _fresh_log(name))
         image_id = archive_image_id(tmp / ARCHIVE)
@@ -287,14 +287,22 @@ def _publish(name: str, key: str, ref: str, produce: Callable[[Path, Path], None
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             **extra,
         }, indent=2) + "\n")
-        if entry.exists():
-            shutil.rmtree(entry)
-        os.replace(tmp, entry)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    _prune(root, name)
+    _prune(images_root(), name)
     return Image(ref=ref, archive=entry / ARCHIVE, id=image_id)
+
+
+def _build_once(name: str, key: str, ref: str, prepare: Callable[[], Callable[[Path, Path], None]],
+                extra: dict[str, object]) -> Image:
+    """The cached image for ``key``, or one built now: ``prepare`` runs under the build lock (only when building)
+    and returns the produce(archive, log_file) step for _publish."""
+    found = _cached(name, key)
+    if found:
+        return found
+    with _locked(images_root()):
+        found = _cached(name, key)
+        if found:
+            return found
+        return _publish(name, key, ref, prepare(), extra)
 
 
 def _fresh_log(name: str) -> Path:
@@ -365,9 +373,7 @@ def _base_tarball(log: Log) -> tuple[Path, str]:
         if tarball.is_file():
             return tarball, key
         log(f"base: mmdebstrap --variant={BASE_VARIANT} {BASE_SUITE} (Debian's default mirror)")
-        tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=root))
-        tmp.chmod(0o755)
-        try:
+        with _staged(entry) as tmp:
             cmd = [mmdebstrap, f"--variant={BASE_VARIANT}", "--format=tar"]
             cmd += [f"--dpkgopt={opt}" for opt in BASE_DPKG_OPTS]
             cmd.append(f"--customize-hook=printf '%s\\n' '{BASE_APT_CONF}' > \"$1/etc/apt/apt.conf.d/90slim\"")
@@ -377,12 +383,6 @@ def _base_tarball(log: Log) -> tuple[Path, str]:
             _run(cmd, timeout=1800, log_file=_fresh_log(name))
             _without_dev_nodes(tmp / "bootstrap.tar", tmp / "rootfs.tar")
             (tmp / "bootstrap.tar").unlink()
-            if entry.exists():
-                shutil.rmtree(entry)
-            os.replace(tmp, entry)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
         _prune(root, name)
     return tarball, key
 
@@ -501,35 +501,31 @@ def build_plugin(log: Log | None = None, *, buildah: Buildah | None = None) -> I
         context = Path(tmp)
         _stage_context(context)
         key = _plugin_key(context, base_key, version, buildah)
-        found = _cached("plugin", key)
-        if found:
-            return found
-        with _locked(images_root()):
-            found = _cached("plugin", key)
-            if found:
-                return found
+
+        def produce(archive: Path, log_file: Path) -> None:
+            b = buildah.with_log(log_file)
+            created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            try:
+                b("bud", "--pull=never", "--isolation", "chroot", "--layers=false",
+                  "--file", str(REPO / "Dockerfile"), "--tag", ref,
+                  "--build-arg", f"BASE_IMAGE={BASE_REF}",
+                  "--build-arg", f"VERSION={version}",
+                  # Content-derived, so the label names the inputs without defeating the cache.
+                  "--build-arg", f"REVISION=local-{key}",
+                  "--build-arg", f"CREATED={created}",
+                  *_trust_mounts(archive.parent / "trust"), str(context), timeout=3600)
+                b.push_archive(ref, archive)
+            finally:
+                b.remove_image(ref)
+                shutil.rmtree(archive.parent / "trust", ignore_errors=True)
+
+        def prepare() -> Callable[[Path, Path], None]:
             if _ensure_base(buildah, log) != base_key:
                 raise ImageBuildError("mmdebstrap changed during the build; run again")
             log(f"plugin: buildah bud -f Dockerfile -t {ref} (pip downloads the wheels' dependencies)")
+            return produce
 
-            def produce(archive: Path, log_file: Path) -> None:
-                b = buildah.with_log(log_file)
-                created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-                try:
-                    b("bud", "--pull=never", "--isolation", "chroot", "--layers=false",
-                      "--file", str(REPO / "Dockerfile"), "--tag", ref,
-                      "--build-arg", f"BASE_IMAGE={BASE_REF}",
-                      "--build-arg", f"VERSION={version}",
-                      # Content-derived, so the label names the inputs without defeating the cache.
-                      "--build-arg", f"REVISION=local-{key}",
-                      "--build-arg", f"CREATED={created}",
-                      *_trust_mounts(archive.parent / "trust"), str(context), timeout=3600)
-                    b.push_archive(ref, archive)
-                finally:
-                    b.remove_image(ref)
-                    shutil.rmtree(archive.parent / "trust", ignore_errors=True)
-
-            return _publish("plugin", key, ref, produce, {"version": version})
+        return _build_once("plugin", key, ref, prepare, {"version": version})
 
 
 REVISION_LABEL = "org.opencontainers.image.revision"
@@ -546,32 +542,28 @@ def rebuild_plugin(tag: str, log: Log | None = None) -> Image:
     ref = f"{PLUGIN_NAME}:{tag}"
     name = f"plugin-tag-{tag}"
     key = _hash([RECIPE.encode(), original.id.encode(), tag.encode()])
-    found = _cached(name, key)
-    if found:
-        return found
-    with _locked(images_root()):
-        found = _cached(name, key)
-        if found:
-            return found
+
+    def produce(archive: Path, log_file: Path) -> None:
+        b = buildah.with_log(log_file)
+        ctr = b("from", "--pull=always", f"oci-archive:{original.archive}", timeout=1200).strip()
+        info = b.inspect(ctr, "container")
+        source_id = str(info["FromImageID"])
+        try:
+            revision = (info["OCIv1"]["config"].get("Labels") or {}).get(REVISION_LABEL, "unknown")
+            b("config", "--label", f"{REVISION_LABEL}={revision}+{tag}", ctr, timeout=120)
+            b("commit", "--quiet", "--rm", ctr, ref, timeout=1200)
+            b.push_archive(ref, archive)
+        finally:
+            with contextlib.suppress(ImageBuildError):
+                b("rm", ctr, timeout=120)
+            b.remove_image(ref)
+            b.remove_image(source_id)
+
+    def prepare() -> Callable[[Path, Path], None]:
         log(f"plugin: {ref} from {original.ref} with a new revision label")
+        return produce
 
-        def produce(archive: Path, log_file: Path) -> None:
-            b = buildah.with_log(log_file)
-            ctr = b("from", "--pull=always", f"oci-archive:{original.archive}", timeout=1200).strip()
-            info = b.inspect(ctr, "container")
-            source_id = str(info["FromImageID"])
-            try:
-                revision = (info["OCIv1"]["config"].get("Labels") or {}).get(REVISION_LABEL, "unknown")
-                b("config", "--label", f"{REVISION_LABEL}={revision}+{tag}", ctr, timeout=120)
-                b("commit", "--quiet", "--rm", ctr, ref, timeout=1200)
-                b.push_archive(ref, archive)
-            finally:
-                with contextlib.suppress(ImageBuildError):
-                    b("rm", ctr, timeout=120)
-                b.remove_image(ref)
-                b.remove_image(source_id)
-
-        return _publish(name, key, ref, produce, {"from": original.ref, "from_id": original.id})
+    return _build_once(name, key, ref, prepare, {"from": original.ref, "from_id": original.id})
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -630,23 +622,19 @@ def build_pause(log: Log | None = None, *, buildah: Buildah | None = None) -> Im
     buildah = buildah or Buildah(images_root())
     exe = _pause_binary()
     key = _hash([RECIPE.encode(), buildah.version.encode(), PAUSE_REF.encode(), exe.read_bytes()])
-    found = _cached("pause", key)
-    if found:
-        return found
-    with _locked(images_root()):
-        found = _cached("pause", key)
-        if found:
-            return found
+
+    def produce(archive: Path, log_file: Path) -> None:
+        layer = archive.with_name("layer.tar")
+        _layer_tar(layer, [("pause", exe, 0o755)])
+        _scratch_image(buildah.with_log(log_file), layer, PAUSE_REF, archive,
+                       ["--entrypoint", '["/pause"]', "--cmd", "", "--os", "linux"])
+        layer.unlink()
+
+    def prepare() -> Callable[[Path, Path], None]:
         log(f"pause: {PAUSE_REF}")
+        return produce
 
-        def produce(archive: Path, log_file: Path) -> None:
-            layer = archive.with_name("layer.tar")
-            _layer_tar(layer, [("pause", exe, 0o755)])
-            _scratch_image(buildah.with_log(log_file), layer, PAUSE_REF, archive,
-                           ["--entrypoint", '["/pause"]', "--cmd", "", "--os", "linux"])
-            layer.unlink()
-
-        return _publish("pause", key, PAUSE_REF, produce, {})
+    return _build_once("pause", key, PAUSE_REF, prepare, {})
 
 
 def _busybox() -> tuple[Path, str]:
@@ -670,13 +658,8 @@ def build_workload(log: Log | None = None, *, buildah: Buildah | None = None) ->
     exe, version = _busybox()
     key = _hash([RECIPE.encode(), buildah.version.encode(), WORKLOAD_REF.encode(), version.encode(),
                  exe.read_bytes()])
-    found = _cached("workload", key)
-    if found:
-        return found
-    with _locked(images_root()):
-        found = _cached("workload", key)
-        if found:
-            return found
+
+    def prepare() -> Callable[[Path, Path], None]:
         log(f"workload: {WORKLOAD_REF} (busybox-static {version})")
         applets = _run([str(exe), "--list-full"], timeout=60).split()
 
@@ -695,7 +678,9 @@ def build_workload(log: Log | None = None, *, buildah: Buildah | None = None) ->
                            ["--cmd", '["/bin/sh"]', "--env", "PATH=/usr/sbin:/usr/bin:/sbin:/bin", "--os", "linux"])
             layer.unlink()
 
-        return _publish("workload", key, WORKLOAD_REF, produce, {"busybox": version})
+        return produce
+
+    return _build_once("workload", key, WORKLOAD_REF, prepare, {"busybox": version})
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -198,6 +198,26 @@ class NodeWatch:
         return self.values
 
 
+# Seconds each step of bringing the cluster up took, for the summary at the end of the run.
+TIMES: dict[str, float] = {}
+
+
+def _timed(name: str, step: Callable[[], Any]) -> Callable[[], Any]:
+    def run() -> Any:
+        started = time.monotonic()
+        try:
+            return step()
+        finally:
+            TIMES[name] = time.monotonic() - started
+    return run
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if TIMES:
+        parts = ", ".join(f"{k} {v:.1f} s" for k, v in TIMES.items())
+        terminalreporter.write_line(f"local cluster: {parts}")
+
+
 @pytest.fixture(scope="session")
 def local() -> Iterator[Local]:
     if os.geteuid() != 0:
@@ -205,8 +225,10 @@ def local() -> Iterator[Local]:
     c = lc.Cluster()
     try:
         c.down()
-        info = c.up(cli._images, cli._binaries, ready_timeout=240)
-        c.deploy()
+        started = time.monotonic()
+        info = c.up(_timed("images", cli._images), _timed("binaries", cli._binaries), ready_timeout=240)
+        TIMES["up"] = time.monotonic() - started
+        _timed("deploy", c.deploy)()
     except lc.ClusterError as exc:
         logs = c.layout.logs
         c.down()
