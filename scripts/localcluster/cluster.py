@@ -209,14 +209,14 @@ def check_host(layout: Layout) -> None:
         if missing:
             raise ClusterError(f"cgroup v1 hierarchies missing: {', '.join(missing)}")
     sock = DEVICE_PLUGIN_DIR / "kubelet.sock"
-    if sock.exists() and not _ours(layout) and _socket_answers(sock):
+    if sock.exists() and _socket_answers(sock):
         raise ClusterError(f"{sock} answers: a kubelet already runs on this machine; the local cluster would "
                            "take over its device-plugin directory")
     for port in (API_PORT, ETCD_PORT, ETCD_PEER_PORT, KUBELET_HEALTHZ_PORT):
         if _port_in_use("127.0.0.1", port):
             raise ClusterError(f"port 127.0.0.1:{port} is in use")
     for net in _host_networks():
-        if net.overlaps(SUBNET) and not _ours(layout):
+        if net.overlaps(SUBNET):
             raise ClusterError(f"{SUBNET} overlaps a network of this host ({net}); the cluster's bridge needs it")
 
 
@@ -225,10 +225,6 @@ def cni_bin_dir() -> Path | None:
         if all((d / p).is_file() for p in ("bridge", "host-local", "loopback")):
             return d
     return None
-
-
-def _ours(layout: Layout) -> bool:
-    return layout.made_file.exists()
 
 
 def _socket_answers(path: Path) -> bool:
@@ -593,8 +589,7 @@ class Cluster:
         imgs = images()
         tokens = make_pki(lay)
         make_node_files(lay)
-        for d in ("plugin-state",):
-            (lay.work / d).mkdir(exist_ok=True)
+        (lay.work / "plugin-state").mkdir(exist_ok=True)
         if not DEVICE_PLUGIN_DIR.exists():
             # Record the highest directory we create, so down removes exactly that.
             top = DEVICE_PLUGIN_DIR
