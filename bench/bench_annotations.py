@@ -32,10 +32,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from plugin.devices.simulated import SimulatedBackend  # noqa: E402
+from plugin.health.config import HealthConfig  # noqa: E402
 from plugin.health.monitor import Monitor  # noqa: E402
-from plugin.health.policy import HealthConfig  # noqa: E402
-from plugin.health.state import NodeState  # noqa: E402
-from plugin.health.states import State  # noqa: E402
+from plugin.health.node_state import NodeState  # noqa: E402
+from plugin.health.reasons import State  # noqa: E402
 from plugin.outlets.kube import KubeReporter, LightkubeApi, ReporterSettings  # noqa: E402
 from tests.fakes.fake_apiserver import FakeApiServer  # noqa: E402
 from tests.fakes.node_devices import Node  # noqa: E402

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from plugin.devices.simulated import builtin_node  # noqa: E402
-from plugin.kubelet.standin import KubeletStandin  # noqa: E402
+from plugin.devtools.standin import KubeletStandin  # noqa: E402
 
 
 def _status(pid: int) -> dict[str, int]:

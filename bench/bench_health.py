@@ -33,9 +33,10 @@ from api.gpuhealth.v1alpha1 import health_pb2  # noqa: E402
 from bench._common import cpu_seconds, machine, pct, rss_mib, summary_ms  # noqa: E402
 from plugin.devices.nvml import NvmlBackend  # noqa: E402
 from plugin.devices.simulated import SimulatedBackend  # noqa: E402
+from plugin.health.config import HealthConfig  # noqa: E402
 from plugin.health.monitor import Monitor  # noqa: E402
-from plugin.health.policy import HealthConfig  # noqa: E402
-from plugin.health.state import NodeState, StateStore  # noqa: E402
+from plugin.health.node_state import NodeState  # noqa: E402
+from plugin.health.store import StateStore  # noqa: E402
 from plugin.kubelet.allocation import AllocationConfig  # noqa: E402
 from plugin.kubelet.resources import WholeGpus  # noqa: E402
 from plugin.kubelet.server import DevicePluginServicer  # noqa: E402
@@ -184,7 +185,7 @@ def bench_poll_cost(cycles: int) -> dict[str, Any]:
 def bench_idle(seconds: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="ghdp-idle-") as tmp:
         root = Path(tmp)
-        from plugin.kubelet.standin import KubeletStandin
+        from plugin.devtools.standin import KubeletStandin
 
         kubelet = KubeletStandin(root / "dp")
         kubelet.start()

@@ -33,12 +33,12 @@ from prometheus_client import generate_latest  # noqa: E402
 
 from bench._common import cpu_seconds, machine, rss_mib, summary_ms  # noqa: E402
 from plugin.devices.simulated import SimulatedBackend  # noqa: E402
+from plugin.devtools.standin import KubeletStandin  # noqa: E402
+from plugin.health.config import HealthConfig  # noqa: E402
 from plugin.health.monitor import Monitor  # noqa: E402
-from plugin.health.policy import HealthConfig  # noqa: E402
-from plugin.health.state import NodeState  # noqa: E402
+from plugin.health.node_state import NodeState  # noqa: E402
 from plugin.kubelet.allocation import AllocationConfig  # noqa: E402
 from plugin.kubelet.resources import WholeGpus  # noqa: E402
-from plugin.kubelet.standin import KubeletStandin  # noqa: E402
 from plugin.kubelet.supervisor import Supervisor  # noqa: E402
 from plugin.outlets.metrics import MetricsServer, Probes, Sources, build_registry  # noqa: E402
 from tests.conftest import NodeFile  # noqa: E402

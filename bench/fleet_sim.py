@@ -39,9 +39,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from plugin.devices.simulated import SimulatedBackend
+from plugin.health.config import HealthConfig
 from plugin.health.monitor import Monitor
-from plugin.health.policy import HealthConfig
-from plugin.health.state import NodeState
+from plugin.health.node_state import NodeState
 from plugin.outlets.annotations import desired_annotations, last_transitions
 from plugin.outlets.kube import Backoff, WriteScheduler
 

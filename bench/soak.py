@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc  # noqa: E402
 from bench._common import cpu_seconds, fd_count, machine, rss_mib, thread_count  # noqa: E402
-from plugin.kubelet.standin import KubeletStandin  # noqa: E402
+from plugin.devtools.standin import KubeletStandin  # noqa: E402
 from tests.conftest import NodeFile  # noqa: E402
 from tests.fakes.fake_apiserver import FakeApiServer  # noqa: E402
 from tests.fakes.podresources import PodResourcesServer  # noqa: E402

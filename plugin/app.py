@@ -19,14 +19,15 @@ from plugin.config import Config
 from plugin.devices.backend import Backend, BackendError
 from plugin.devices.model import Discovery, Gpu, GpuEvent, Reading
 from plugin.health.monitor import Monitor
-from plugin.health.state import NodeState, StateStore
+from plugin.health.node_state import NodeState
+from plugin.health.store import StateStore
 from plugin.kubelet.allocation import AllocationConfig
+from plugin.kubelet.sharing import build_resources, profiles_of
 from plugin.kubelet.supervisor import Supervisor
 from plugin.outlets.correlation import make_correlator
 from plugin.outlets.health_api import HealthServer
 from plugin.outlets.kube import make_reporter
 from plugin.outlets.metrics import make_metrics_server
-from plugin.sharing import build_resources, profiles_of
 from plugin.sockets import UNIX_PATH_MAX
 
 log = logging.getLogger(__name__)

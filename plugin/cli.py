@@ -102,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "run":
         return _run(args)
     if args.command == "demo":
-        from plugin.demo import run_demo
+        from plugin.devtools.demo import run_demo
         return run_demo(duration_s=args.duration, plain=args.plain or not sys.stdout.isatty())
     if args.command in ("status", "watch"):
         try:

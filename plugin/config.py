@@ -17,10 +17,10 @@ from typing import Any
 
 import yaml
 
-from plugin.health.policy import DEFAULT_KUBELET_HEALTH, HealthConfig
-from plugin.health.states import State
-from plugin.sharing import MIG_STRATEGIES, SharingConfig, SharingError, parse_sharing
-from plugin.sharing import validate as validate_sharing
+from plugin.health.config import DEFAULT_KUBELET_HEALTH, HealthConfig
+from plugin.health.reasons import State
+from plugin.kubelet.sharing import MIG_STRATEGIES, SharingConfig, SharingError, parse_sharing
+from plugin.kubelet.sharing import validate as validate_sharing
 
 CONFIG_VERSION = "v1"
 ENV_PREFIX = "GPU_HEALTH_"

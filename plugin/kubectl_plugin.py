@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from plugin.health.states import State
+from plugin.health.reasons import State
 from plugin.outlets.annotations import DEFAULT_PREFIX, STATE_KEY, DeviceEntry, check_prefix, parse_node
 
 STATES = tuple(s.value for s in State)

@@ -2,7 +2,7 @@
 
     docs/config.md   every plugin option (flag, environment variable, file key, default) from plugin/config.py's
                      OPTIONS; the keys of the file's health and sharing sections with their defaults
-    docs/reasons.md  the reason-code table from plugin/health/states.py's REASONS
+    docs/reasons.md  the reason-code table from plugin/health/reasons.py's REASONS
 
     python scripts/gen_docs.py           # (re)write both files
     python scripts/gen_docs.py --check   # exit 1, naming the stale files, if either differs from what the code says
@@ -27,9 +27,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from plugin import config as config_mod  # noqa: E402
-from plugin.health.policy import HealthConfig  # noqa: E402
-from plugin.health.states import REASONS, State  # noqa: E402
-from plugin.sharing import parse_sharing  # noqa: E402
+from plugin.health.config import HealthConfig  # noqa: E402
+from plugin.health.reasons import REASONS, State  # noqa: E402
+from plugin.kubelet.sharing import parse_sharing  # noqa: E402
 
 CONFIG_MD = REPO / "docs" / "config.md"
 REASONS_MD = REPO / "docs" / "reasons.md"
@@ -226,7 +226,7 @@ def render_config() -> str:
     accepted_sharing = accepted_keys(parse_sharing, "sharing", {"timeSlicing": {"resources": [{}]}})
     _check_coverage("sharing", SHARING_KEYS, accepted_sharing)
 
-    lines = [HEADER.format(source="plugin/config.py, plugin/health/policy.py and plugin/sharing.py"),
+    lines = [HEADER.format(source="plugin/config.py, plugin/health/policy.py and plugin/kubelet/sharing.py"),
              "# Configuration reference", "",
              "Every option of `gpu-health-plugin run` has a flag, an environment variable and a key in the "
              "`plugin` section of the config file; precedence is **flags > environment > file > default**. "
@@ -289,7 +289,7 @@ def example_file() -> str:
 
 
 def render_reasons() -> str:
-    lines = [HEADER.format(source="plugin/health/states.py (REASONS)"), "# Reason codes", "",
+    lines = [HEADER.format(source="plugin/health/reasons.py (REASONS)"), "# Reason codes", "",
              "Each device carries its state with reasons: a stable code, a short message, where it was seen "
              "(`event` or `poll`), when it was first seen and the recommended action. Codes are lower-case and "
              "hyphenated and do not change meaning between releases; `<n>` stands for an XID number. The "
@@ -303,8 +303,8 @@ def render_reasons() -> str:
 
 
 def _actions() -> tuple[str, ...]:
-    from plugin.health import states
-    return tuple(getattr(states, "ACTIONS", ()))
+    from plugin.health import reasons
+    return tuple(getattr(reasons, "ACTIONS", ()))
 
 
 def outputs() -> dict[Path, str]:

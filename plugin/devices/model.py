@@ -5,7 +5,7 @@ Every backend produces these same immutable values, so the health policy never k
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 RECOVERY_ACTIONS = ("none", "gpu_reset", "node_reboot", "drain_p2p", "drain_and_reset")
 CLOCK_EVENT_REASONS = ("hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown")
@@ -96,4 +96,3 @@ class Discovery:
     gpus: tuple[Gpu, ...] = ()
     driver_version: str = ""
     error: str | None = None
-    extras: dict[str, str] = field(default_factory=dict)

@@ -15,9 +15,10 @@ from typing import Any
 
 from plugin.devices.backend import Backend
 from plugin.devices.model import Gpu, GpuEvent, Reading
-from plugin.health.policy import HealthConfig
-from plugin.health.state import DeviceStatus, NodeState, Persister, StateStore, Transition
-from plugin.health.states import Reason, State
+from plugin.health.config import HealthConfig
+from plugin.health.node_state import DeviceStatus, NodeState, Transition
+from plugin.health.reasons import State
+from plugin.health.store import Persister, StateStore
 from plugin.health.tracker import DeviceTracker
 
 log = logging.getLogger(__name__)
@@ -258,10 +259,6 @@ class Monitor:
             devices = {k: v for k, v in self._saved.items() if _worth_keeping(v)}
             devices.update({k: t.to_dict() for k, t in {**self._trackers, **self._mig_trackers}.items()})
         return {"devices": devices, "transitions": [t.to_dict() for t in self.state.history()[-256:]]}
-
-    def reasons_of(self, device_id: str) -> tuple[Reason, ...]:
-        snap = self.state.snapshot().get(device_id)
-        return snap.reasons if snap else ()
 
 
 def _worth_keeping(saved: dict[str, Any]) -> bool:

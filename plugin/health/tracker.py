@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from plugin.devices.model import GpuEvent, Reading
-from plugin.health.policy import RATE_CODES, HealthConfig, classify_event, evaluate_reading
-from plugin.health.states import Condition, Reason, State
+from plugin.health.config import HealthConfig
+from plugin.health.policy import RATE_CODES, classify_event, evaluate_reading
+from plugin.health.reasons import Condition, Reason, State
 
 
 @dataclass

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from api.deviceplugin.v1beta1 import api_pb2
 from plugin.devices.model import Gpu
-from plugin.health.state import DeviceStatus
-from plugin.health.states import State
+from plugin.health.node_state import DeviceStatus
+from plugin.health.reasons import State
 
 CONTROL_NODES = ("nvidiactl",)
 OPTIONAL_NODES = ("nvidia-uvm", "nvidia-uvm-tools")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from api.deviceplugin.v1beta1 import api_pb2
-from plugin.health.state import DeviceStatus, Snapshot
+from plugin.health.node_state import DeviceStatus, Snapshot
 from plugin.kubelet.allocation import AllocationError, preferred, preferred_gpus, preferred_replicas
 
 log = logging.getLogger(__name__)

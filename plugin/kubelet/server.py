@@ -10,22 +10,13 @@ from collections.abc import Iterator
 import grpc
 
 from api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
-from plugin.health.state import NodeState
+from plugin.health.node_state import NodeState
 from plugin.kubelet.allocation import AllocationConfig, AllocationError, check_ids, container_response
 from plugin.kubelet.resources import KubeletDevice, Resource
 
 log = logging.getLogger(__name__)
 
 STREAM_RECHECK_S = 1.0  # waiters are poked on change and on stop; this only bounds a missed wake-up
-
-
-def to_response(view: tuple[KubeletDevice, ...]) -> api_pb2.ListAndWatchResponse:
-    resp = api_pb2.ListAndWatchResponse()
-    for d in view:
-        dev = resp.devices.add(ID=d.id, health=d.health)
-        if d.numa_node is not None:
-            dev.topology.nodes.add(ID=d.numa_node)
-    return resp
 
 
 class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
@@ -38,7 +29,6 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
         self.closed = threading.Event()
         self._streams = 0
         self._streams_lock = threading.Condition()
-        self.allocations = 0
 
     @property
     def open_streams(self) -> int:
@@ -102,7 +92,6 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
         except AllocationError as exc:
             log.warning("Allocate refused: %s", exc)
             context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
-        self.allocations += 1
         return resp
 
     def GetPreferredAllocation(self, request: api_pb2.PreferredAllocationRequest,

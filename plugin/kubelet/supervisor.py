@@ -33,7 +33,7 @@ from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
 from api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
-from plugin.health.state import NodeState
+from plugin.health.node_state import NodeState
 from plugin.kubelet.allocation import AllocationConfig
 from plugin.kubelet.resources import Resource
 from plugin.kubelet.server import DevicePluginServicer

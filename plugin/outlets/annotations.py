@@ -24,8 +24,8 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from plugin.health.state import ABSENT, DeviceStatus, Snapshot, Transition
-from plugin.health.states import ACTIONS, Reason, State
+from plugin.health.node_state import ABSENT, DeviceStatus, Snapshot, Transition
+from plugin.health.reasons import ACTIONS, Reason, State
 
 SCHEMA_VERSION = "v1"
 DEFAULT_PREFIX = "gpu-health.io"
@@ -250,10 +250,6 @@ def merge_patch(current: Mapping[str, str], desired: Mapping[str, str], prefix: 
         if k not in desired and is_our_key(k, prefix):
             patch[k] = None
     return patch
-
-
-def ours(annotations: Mapping[str, str], prefix: str) -> dict[str, str]:
-    return {k: v for k, v in annotations.items() if is_our_key(k, prefix)}
 
 
 # Reading (the kubectl plugin, tests) ----------------------------------------------------------------------------

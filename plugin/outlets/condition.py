@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from plugin.health.state import Snapshot
-from plugin.health.states import State
+from plugin.health.node_state import Snapshot
+from plugin.health.reasons import State
 from plugin.outlets.annotations import device_names, rfc3339, top_reasons
 
 MESSAGE_MAX = 1024

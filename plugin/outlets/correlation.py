@@ -32,7 +32,7 @@ import grpc
 
 from api.podresources.v1 import api_pb2 as pr_pb2
 from api.podresources.v1 import api_pb2_grpc as pr_grpc
-from plugin.health.state import NodeState, Snapshot, Transition
+from plugin.health.node_state import NodeState, Snapshot, Transition
 from plugin.kubelet.resources import Resource
 from plugin.outlets.kube import ApiFailure, Backoff, LightkubeApi
 

@@ -14,8 +14,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from plugin.health.state import ABSENT, Transition
-from plugin.health.states import State
+from plugin.health.node_state import ABSENT, Transition
+from plugin.health.reasons import State
 from plugin.outlets.annotations import rfc3339, top_reasons
 
 COMPONENT = "gpu-health-device-plugin"

@@ -11,8 +11,8 @@ from pathlib import Path
 import grpc
 
 from api.gpuhealth.v1alpha1 import health_pb2, health_pb2_grpc
-from plugin.health.state import DeviceStatus, NodeState, Snapshot, Transition
-from plugin.health.states import Reason
+from plugin.health.node_state import DeviceStatus, NodeState, Snapshot, Transition
+from plugin.health.reasons import Reason
 from plugin.sockets import bind_unix
 
 log = logging.getLogger(__name__)

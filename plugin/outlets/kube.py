@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from plugin.config import Config
-from plugin.health.state import NodeState, Snapshot, Transition
+from plugin.health.node_state import NodeState, Snapshot, Transition
 from plugin.outlets.annotations import (
     DEFAULT_MAX_BYTES,
     DEFAULT_PREFIX,

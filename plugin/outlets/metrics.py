@@ -26,8 +26,8 @@ from prometheus_client.registry import Collector
 
 from plugin.config import split_host_port
 from plugin.health.monitor import Monitor
-from plugin.health.state import NodeState
-from plugin.health.states import State
+from plugin.health.node_state import NodeState
+from plugin.health.reasons import State
 from plugin.kubelet.supervisor import Supervisor
 
 log = logging.getLogger(__name__)

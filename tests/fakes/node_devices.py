@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from plugin.devices.model import Gpu, MigDevice
-from plugin.health.state import DeviceStatus, NodeState
-from plugin.health.states import Reason, State
+from plugin.health.node_state import DeviceStatus, NodeState
+from plugin.health.reasons import Reason, State
 
 REASONS = {
     "xid-79": (State.UNHEALTHY, "reboot-node", "XID 79: GPU has fallen off the bus"),

@@ -10,9 +10,10 @@ from dataclasses import asdict
 import pytest
 
 from plugin.devices.nvml import NvmlBackend
+from plugin.health.config import HealthConfig
 from plugin.health.monitor import Monitor
-from plugin.health.policy import HealthConfig, evaluate_reading
-from plugin.health.state import NodeState
+from plugin.health.node_state import NodeState
+from plugin.health.policy import evaluate_reading
 
 pytestmark = pytest.mark.gpu
 

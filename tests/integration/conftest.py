@@ -8,8 +8,8 @@ import pytest
 
 from plugin.app import App
 from plugin.config import Config
-from plugin.health.policy import HealthConfig
-from plugin.kubelet.standin import KubeletStandin
+from plugin.devtools.standin import KubeletStandin
+from plugin.health.config import HealthConfig
 from tests.conftest import NodeFile
 
 

@@ -19,8 +19,8 @@ from typing import IO
 import pytest
 
 from plugin import cli
-from plugin.health.state import NodeState
-from plugin.health.states import State
+from plugin.health.node_state import NodeState
+from plugin.health.reasons import State
 from plugin.outlets.health_api import HealthServer
 from tests.fakes.node_devices import Node
 

@@ -19,11 +19,11 @@ import pytest
 
 from plugin.app import App
 from plugin.devices.simulated import SimulatedBackend
+from plugin.devtools.standin import KubeletStandin
+from plugin.health.config import HealthConfig
 from plugin.health.monitor import Monitor
-from plugin.health.policy import HealthConfig
-from plugin.health.state import NodeState
+from plugin.health.node_state import NodeState
 from plugin.kubelet.resources import WholeGpus
-from plugin.kubelet.standin import KubeletStandin
 from plugin.outlets.correlation import (
     CorrelationSettings,
     Correlator,

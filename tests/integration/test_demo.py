@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from plugin.demo import CLEAR, Demo
+from plugin.devtools.demo import CLEAR, Demo
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 FINISHED = "demo finished: every step behaved as expected"

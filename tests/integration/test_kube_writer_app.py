@@ -14,7 +14,7 @@ import pytest
 
 from api.gpuhealth.v1alpha1 import health_pb2
 from plugin.app import App
-from plugin.kubelet.standin import KubeletStandin
+from plugin.devtools.standin import KubeletStandin
 from tests.conftest import NodeFile
 from tests.fakes.fake_apiserver import FakeApiServer
 from tests.integration.conftest import Env, make_config

@@ -12,7 +12,7 @@ import pytest
 
 from api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from plugin.app import App
-from plugin.kubelet.standin import KubeletStandin
+from plugin.devtools.standin import KubeletStandin
 from tests.conftest import NodeFile, wait_until
 from tests.integration.conftest import Env, make_config
 

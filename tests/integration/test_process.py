@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from plugin.kubelet.standin import KubeletStandin
+from plugin.devtools.standin import KubeletStandin
 from tests.conftest import NodeFile
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,11 +18,11 @@ import pytest
 
 from api.deviceplugin.v1beta1 import api_pb2
 from plugin.app import App
-from plugin.health.state import NodeState
+from plugin.devtools.standin import KubeletStandin
+from plugin.health.node_state import NodeState
 from plugin.kubelet import supervisor as supervisor_mod
 from plugin.kubelet.allocation import AllocationConfig
 from plugin.kubelet.resources import WholeGpus
-from plugin.kubelet.standin import KubeletStandin
 from plugin.kubelet.supervisor import Supervisor
 from plugin.outlets.health_api import HealthServer
 from plugin.outlets.metrics import MetricsServer, Probes, Sources, build_registry

@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 from api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from plugin.config import ConfigError, load
 from plugin.devices.simulated import SimulatedBackend
+from plugin.health.config import HealthConfig
 from plugin.health.monitor import Monitor
-from plugin.health.policy import HealthConfig
-from plugin.health.state import NodeState
+from plugin.health.node_state import NodeState
 from plugin.kubelet.allocation import AllocationConfig
 from plugin.kubelet.resources import WholeGpus
 from plugin.kubelet.server import DevicePluginServicer

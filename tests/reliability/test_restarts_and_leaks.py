@@ -15,8 +15,8 @@ import pytest
 
 from api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from bench._common import fd_count, thread_count
-from plugin.health.state import StateStore
-from plugin.kubelet.standin import KubeletStandin
+from plugin.devtools.standin import KubeletStandin
+from plugin.health.store import StateStore
 from tests.conftest import NodeFile
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,7 +100,7 @@ def test_1000_list_and_watch_cycles(plugin: tuple[subprocess.Popen[str], Kubelet
 WRITER = """
 import sys
 from pathlib import Path
-from plugin.health.state import StateStore
+from plugin.health.store import StateStore
 store = StateStore(Path(sys.argv[1]))
 blob = "x" * 400_000
 i = 0

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from plugin.config import ConfigError, load
-from plugin.health.state import ABSENT, NodeState, Transition
-from plugin.health.states import Reason, State
+from plugin.health.node_state import ABSENT, NodeState, Transition
+from plugin.health.reasons import Reason, State
 from plugin.outlets import annotations as ann
 from plugin.outlets.condition import check_condition_type, desired_condition
 from plugin.outlets.events import EventAggregator, event_for

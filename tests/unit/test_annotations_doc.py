@@ -17,8 +17,8 @@ import pytest
 from plugin import kubectl_plugin
 from plugin.devices.model import Gpu, GpuEvent, Reading
 from plugin.devices.simulated import builtin_node
-from plugin.health.policy import DEFAULT_KUBELET_HEALTH, HealthConfig
-from plugin.health.state import DeviceStatus, NodeState, Snapshot
+from plugin.health.config import DEFAULT_KUBELET_HEALTH, HealthConfig
+from plugin.health.node_state import DeviceStatus, NodeState, Snapshot
 from plugin.health.tracker import DeviceTracker
 from plugin.outlets.annotations import DEFAULT_PREFIX, desired_annotations, last_transitions
 from plugin.outlets.condition import desired_condition

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from plugin import kubectl_plugin
-from plugin.health.state import NodeState
-from plugin.health.states import State
+from plugin.health.node_state import NodeState
+from plugin.health.reasons import State
 from plugin.outlets.annotations import desired_annotations
 from tests.fakes.node_devices import Node
 

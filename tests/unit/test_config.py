@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from plugin.config import ConfigError, load
-from plugin.health.states import State
+from plugin.health.reasons import State
 
 NO_FLAGS: dict[str, object] = {}
 

@@ -10,7 +10,7 @@ from types import ModuleType
 import pytest
 
 from plugin import config as config_mod
-from plugin.health.states import REASONS
+from plugin.health.reasons import REASONS
 
 REPO = Path(__file__).resolve().parents[2]
 

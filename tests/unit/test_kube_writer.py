@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from plugin.config import load
-from plugin.health.state import NodeState
-from plugin.health.states import State
+from plugin.health.node_state import NodeState
+from plugin.health.reasons import State
 from plugin.outlets.kube import ApiFailure, KubeReporter, LightkubeApi, ReporterSettings, make_reporter
 from tests.conftest import FakeClock
 from tests.fakes.fake_apiserver import FakeApiServer

@@ -17,10 +17,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from plugin.devices.model import GpuEvent
 from plugin.devices.nvml import NvmlBackend
 from plugin.devices.simulated import SimulatedBackend
+from plugin.health.config import HealthConfig
 from plugin.health.monitor import Monitor
-from plugin.health.policy import HealthConfig
-from plugin.health.state import DeviceStatus, NodeState
-from plugin.health.states import Reason, State
+from plugin.health.node_state import DeviceStatus, NodeState
+from plugin.health.reasons import Reason, State
 from plugin.kubelet.allocation import AllocationConfig
 from plugin.kubelet.resources import WholeGpus
 from plugin.kubelet.supervisor import Supervisor

@@ -16,9 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from plugin.devices.model import GpuEvent
 from plugin.devices.nvml import NvmlBackend
+from plugin.health.config import HealthConfig
 from plugin.health.monitor import Monitor
-from plugin.health.policy import HealthConfig
-from plugin.health.state import NodeState
+from plugin.health.node_state import NodeState
 from plugin.kubelet.allocation import AllocationConfig
 from plugin.kubelet.resources import WholeGpus
 from plugin.kubelet.supervisor import Supervisor

@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from plugin.devices.simulated import SimulatedBackend
+from plugin.health.config import HealthConfig
 from plugin.health.monitor import Monitor
-from plugin.health.policy import HealthConfig
-from plugin.health.state import DeviceStatus, NodeState, StateStore
-from plugin.health.states import State
+from plugin.health.node_state import DeviceStatus, NodeState
+from plugin.health.reasons import State
+from plugin.health.store import StateStore
 
 MIG = "MIG-5a1e0000-0001-4000-8000-000000000001"
 

@@ -8,10 +8,11 @@ import pytest
 
 from plugin.devices.backend import BackendError
 from plugin.devices.nvml import NvmlBackend
+from plugin.health.config import HealthConfig
 from plugin.health.monitor import Monitor
-from plugin.health.policy import HealthConfig, evaluate_reading
-from plugin.health.state import NodeState
-from plugin.health.states import State
+from plugin.health.node_state import NodeState
+from plugin.health.policy import evaluate_reading
+from plugin.health.reasons import State
 from tests.fakes.fake_pynvml import ERROR_CODES, FakeGpu, FakeNvml, eight_gpu_node
 
 

@@ -7,16 +7,9 @@ import re
 import pytest
 
 from plugin.devices.model import GpuEvent, Reading
-from plugin.health.policy import (
-    APPLICATION_XIDS,
-    DEGRADED_XIDS,
-    FATAL_XIDS,
-    HealthConfig,
-    classify_event,
-    evaluate_reading,
-    xid_class,
-)
-from plugin.health.states import ACTIONS, REASONS, Condition, ReasonSpec, State
+from plugin.health.config import APPLICATION_XIDS, DEGRADED_XIDS, FATAL_XIDS, HealthConfig
+from plugin.health.policy import classify_event, evaluate_reading, xid_class
+from plugin.health.reasons import ACTIONS, REASONS, Condition, ReasonSpec, State
 
 CFG = HealthConfig()
 T = 1000.0

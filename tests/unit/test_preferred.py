@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from plugin.devices.model import Gpu
-from plugin.health.state import DeviceStatus
-from plugin.health.states import State
+from plugin.health.node_state import DeviceStatus
+from plugin.health.reasons import State
 from plugin.kubelet.allocation import preferred_gpus, preferred_replicas
 
 

@@ -15,9 +15,9 @@ import pytest
 
 from plugin.devices.model import Discovery, Gpu, GpuEvent, Reading
 from plugin.devices.simulated import SimulatedBackend
+from plugin.health.config import HealthConfig
 from plugin.health.monitor import Monitor
-from plugin.health.policy import HealthConfig
-from plugin.health.state import NodeState
+from plugin.health.node_state import NodeState
 from plugin.kubelet.allocation import AllocationConfig
 from plugin.kubelet.resources import WholeGpus
 from plugin.kubelet.supervisor import Supervisor

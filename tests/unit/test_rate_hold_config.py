@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from plugin.config import ConfigError, load, parse_health
-from plugin.health.policy import HealthConfig
+from plugin.health.config import HealthConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

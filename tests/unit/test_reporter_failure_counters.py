@@ -10,8 +10,8 @@ from pathlib import Path
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from plugin.health.state import NodeState
-from plugin.health.states import State
+from plugin.health.node_state import NodeState
+from plugin.health.reasons import State
 from plugin.outlets.kube import KubeReporter, LightkubeApi, ReporterSettings
 from plugin.outlets.metrics import Sources, build_registry
 from tests.conftest import FakeClock

@@ -15,15 +15,16 @@ import pytest
 
 from api.deviceplugin.v1beta1 import api_pb2
 from plugin.devices.simulated import SimulatedBackend, builtin_node
+from plugin.health.config import HealthConfig
 from plugin.health.monitor import Monitor
-from plugin.health.policy import HealthConfig
-from plugin.health.state import NodeState
+from plugin.health.node_state import NodeState
 from plugin.kubelet.allocation import AllocationConfig
 from plugin.kubelet.resources import DeviceResource
-from plugin.kubelet.server import DevicePluginServicer, to_response
+from plugin.kubelet.server import DevicePluginServicer
+from plugin.kubelet.sharing import build_resources, parse_sharing, profiles_of
 from plugin.kubelet.supervisor import plugin_options
-from plugin.sharing import build_resources, parse_sharing, profiles_of
 from tests.conftest import NodeFile
+from tests.listandwatch import field_by_field
 
 SERVICE = api_pb2.DESCRIPTOR.services_by_name["DevicePlugin"]
 
@@ -285,11 +286,11 @@ def test_cached_encoding_equals_the_message_built_field_by_field(tmp_path: Path,
     rs = n.resources(strategy, sharing).values()
     assert rs, "no resources: the loops below would check nothing"
     for r in rs:
-        assert r.response(n.state.snapshot()) == to_response(r.devices(n.state.snapshot())), r.name
+        assert r.response(n.state.snapshot()) == field_by_field(r.devices(n.state.snapshot())), r.name
     n.change(4, nvlink_down=[0])  # after a change, from the partly cached encodings
     for r in rs:
         snap = n.state.snapshot()
-        assert r.response(snap) == to_response(r.devices(snap)), r.name
+        assert r.response(snap) == field_by_field(r.devices(snap)), r.name
         has_gpu4 = not r.name.startswith("nvidia.com/mig-")  # GPU 4 is whole (or replicated) in the others
         assert any(d.health == "Unhealthy" for d in r.response(snap).devices) == has_gpu4, r.name
     n.backend.close()

@@ -13,9 +13,9 @@ import pytest
 
 from api.deviceplugin.v1beta1 import api_pb2
 from plugin.devices.simulated import SimulatedBackend
+from plugin.health.config import HealthConfig
 from plugin.health.monitor import Monitor
-from plugin.health.policy import HealthConfig
-from plugin.health.state import NodeState
+from plugin.health.node_state import NodeState
 from plugin.kubelet.allocation import AllocationConfig
 from plugin.kubelet.resources import WholeGpus
 from plugin.kubelet.server import DevicePluginServicer

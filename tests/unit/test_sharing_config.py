@@ -10,7 +10,7 @@ import pytest
 
 from plugin.config import ConfigError, load
 from plugin.kubelet.resources import Selection
-from plugin.sharing import SharingError, build_resources, parse_sharing, validate
+from plugin.kubelet.sharing import SharingError, build_resources, parse_sharing, validate
 
 FULL = """\
 version: v1

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from plugin.devices.simulated import NodeFileError, SimulatedBackend, builtin_node, parse_node
-from plugin.health.policy import HealthConfig, evaluate_reading
+from plugin.health.config import HealthConfig
+from plugin.health.policy import evaluate_reading
 from tests.conftest import NodeFile
 
 

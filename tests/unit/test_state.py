@@ -8,8 +8,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from plugin.devices.model import Gpu
-from plugin.health.state import ABSENT, DeviceStatus, NodeState, Snapshot, StateStore, Transition
-from plugin.health.states import Reason, State
+from plugin.health.node_state import ABSENT, DeviceStatus, NodeState, Snapshot, Transition
+from plugin.health.reasons import Reason, State
+from plugin.health.store import StateStore
 
 GPU = Gpu(uuid="GPU-a", index=0)
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from plugin.devices.model import GpuEvent, Reading
-from plugin.health.policy import HealthConfig
-from plugin.health.states import State
+from plugin.health.config import HealthConfig
+from plugin.health.reasons import State
 from plugin.health.tracker import DeviceTracker
 
 OK = dict(temperature_c=40, temperature_slowdown_c=87, temperature_shutdown_c=92, recovery_action="none")

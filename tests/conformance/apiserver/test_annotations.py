@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 import yaml
 
-from plugin.health.state import NodeState
-from plugin.health.states import State
+from plugin.health.node_state import NodeState
+from plugin.health.reasons import State
 from plugin.outlets.kube import KubeReporter, LightkubeApi, ReporterSettings
 from tests.conftest import FakeClock
 from tests.fakes.node_devices import Node

@@ -21,8 +21,8 @@ import pytest
 
 from plugin.app import App
 from plugin.config import Config
-from plugin.health.policy import HealthConfig
-from plugin.kubelet.standin import KubeletStandin
+from plugin.devtools.standin import KubeletStandin
+from plugin.health.config import HealthConfig
 from plugin.outlets.annotations import parse_node
 from plugin.outlets.condition import desired_condition, find_condition
 from tests.conftest import NodeFile

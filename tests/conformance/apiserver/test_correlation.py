@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 
 from plugin.devices.simulated import SimulatedBackend
+from plugin.health.config import HealthConfig
 from plugin.health.monitor import Monitor
-from plugin.health.policy import HealthConfig
-from plugin.health.state import NodeState
+from plugin.health.node_state import NodeState
 from plugin.kubelet.resources import WholeGpus
 from plugin.outlets.correlation import CorrelationSettings, Correlator, LightkubePodApi, PodResourcesClient
 from tests.conftest import NodeFile

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from plugin.kubelet.standin import KubeletStandin
+from plugin.devtools.standin import KubeletStandin
 from plugin.outlets.annotations import parse_node
 from tests.conftest import NodeFile
 

@@ -22,8 +22,8 @@ import grpc
 from plugin.app import App
 from plugin.config import Config
 from plugin.devices.simulated import SimulatedBackend, builtin_node
-from plugin.health.policy import HealthConfig
-from plugin.kubelet.standin import KubeletStandin
+from plugin.devtools.standin import KubeletStandin
+from plugin.health.config import HealthConfig
 
 CLEAR = "\x1b[H\x1b[2J"
 COLORS = {"Healthy": "\x1b[32m", "Degraded": "\x1b[33m", "Unhealthy": "\x1b[31m", "Unknown": "\x1b[35m"}
