@@ -36,7 +36,8 @@ from plugin.health.config import HealthConfig  # noqa: E402
 from plugin.health.monitor import Monitor  # noqa: E402
 from plugin.health.node_state import NodeState  # noqa: E402
 from plugin.health.reasons import State  # noqa: E402
-from plugin.outlets.kube import KubeReporter, LightkubeApi, ReporterSettings  # noqa: E402
+from plugin.outlets.kube import KubeReporter, ReporterSettings  # noqa: E402
+from plugin.outlets.kubeapi import LightkubeApi  # noqa: E402
 from tests.fakes.fake_apiserver import FakeApiServer  # noqa: E402
 from tests.fakes.node_devices import Node  # noqa: E402
 

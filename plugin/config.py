@@ -21,6 +21,7 @@ from plugin.health.config import DEFAULT_KUBELET_HEALTH, HealthConfig
 from plugin.health.reasons import State
 from plugin.kubelet.sharing import MIG_STRATEGIES, SharingConfig, SharingError, parse_sharing
 from plugin.kubelet.sharing import validate as validate_sharing
+from plugin.validation import split_host_port
 
 CONFIG_VERSION = "v1"
 ENV_PREFIX = "GPU_HEALTH_"
@@ -92,20 +93,6 @@ def _str(v: Any) -> str:
     if not isinstance(v, str):
         raise ValueError(f"expected a string, got {v!r}")
     return v
-
-
-def split_host_port(s: str) -> tuple[str, int]:
-    """``HOST:PORT`` -> (host, port); an IPv6 host is bracketed (``[::]:9402``); an empty host means all."""
-    host, sep, port = s.rpartition(":")
-    if not sep:
-        raise ValueError(f"expected HOST:PORT or off, got {s!r}")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    elif ":" in host:
-        raise ValueError(f"put an IPv6 host in brackets ([::]:9402), got {s!r}")
-    if not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"port must be a number from 0 to 65535, got {port!r} in {s!r}")
-    return host, int(port)
 
 
 def _listen_address(v: Any) -> str:

@@ -34,7 +34,8 @@ from api.podresources.v1 import api_pb2 as pr_pb2
 from api.podresources.v1 import api_pb2_grpc as pr_grpc
 from plugin.health.node_state import NodeState, Snapshot, Transition
 from plugin.kubelet.resources import Resource
-from plugin.outlets.kube import ApiFailure, Backoff, LightkubeApi
+from plugin.outlets.kube import Backoff
+from plugin.outlets.kubeapi import ApiFailure, LightkubeApi, PodApi
 
 log = logging.getLogger(__name__)
 
@@ -104,44 +105,6 @@ def holdings(resp: pr_pb2.ListPodResourcesResponse) -> list[Holding]:
 
 
 # The Kubernetes side --------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class PodView:
-    uid: str
-    node_name: str
-
-
-class PodApi(Protocol):
-    def get_pod(self, namespace: str, name: str) -> PodView: ...
-    def create_event(self, namespace: str, body: Mapping[str, Any]) -> str: ...
-    def patch_pod_annotations(self, namespace: str, name: str, annotations: Mapping[str, str | None]) -> None: ...
-    def evict_pod(self, namespace: str, name: str, uid: str) -> None: ...
-    def close(self) -> None: ...
-
-
-class LightkubePodApi(LightkubeApi):
-    """The cluster reporter's client (same construction, same error mapping to :class:`ApiFailure`) with the pod
-    calls this outlet needs."""
-
-    def get_pod(self, namespace: str, name: str) -> PodView:
-        from lightkube.resources.core_v1 import Pod
-        pod = self._call(lambda: self._client.get(Pod, name, namespace=namespace))
-        return PodView(uid=pod.metadata.uid or "", node_name=(pod.spec.nodeName or "") if pod.spec else "")
-
-    def patch_pod_annotations(self, namespace: str, name: str, annotations: Mapping[str, str | None]) -> None:
-        from lightkube.resources.core_v1 import Pod
-        from lightkube.types import PatchType
-        body = {"metadata": {"annotations": dict(annotations)}}
-        self._call(lambda: self._client.patch(Pod, name, body, namespace=namespace, patch_type=PatchType.MERGE))
-
-    def evict_pod(self, namespace: str, name: str, uid: str) -> None:
-        from lightkube.models.meta_v1 import DeleteOptions, ObjectMeta, Preconditions
-        from lightkube.resources.core_v1 import Pod
-        # The UID precondition: never evict a new pod that took the old one's name after our lookup.
-        opts = DeleteOptions(preconditions=Preconditions(uid=uid)) if uid else None
-        body = Pod.Eviction(metadata=ObjectMeta(name=name, namespace=namespace), deleteOptions=opts)
-        self._call(lambda: self._client.create(body, name=name, namespace=namespace))
-
 
 # The outlet -------------------------------------------------------------------------------------------------------
 
@@ -540,4 +503,4 @@ def make_correlator(cfg: Any, state: NodeState, resources: Sequence[Resource]) -
         annotation_prefix=getattr(cfg, "annotation_prefix", "gpu-health.io"))
     kubeconfig = getattr(cfg, "kubeconfig", None)
     return Correlator(state, settings, PodResourcesClient(cfg.pod_resources_socket),
-                      lambda: LightkubePodApi(kubeconfig))
+                      lambda: LightkubeApi(kubeconfig))

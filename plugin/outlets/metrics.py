@@ -24,11 +24,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
-from plugin.config import split_host_port
 from plugin.health.monitor import Monitor
 from plugin.health.node_state import NodeState
 from plugin.health.reasons import State
 from plugin.kubelet.supervisor import Supervisor
+from plugin.validation import split_host_port
 
 log = logging.getLogger(__name__)
 

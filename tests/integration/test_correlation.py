@@ -33,7 +33,7 @@ from plugin.outlets.correlation import (
     PodResourcesError,
     PodView,
 )
-from plugin.outlets.kube import ApiFailure
+from plugin.outlets.kubeapi import ApiFailure
 from tests.conftest import NodeFile
 from tests.fakes.podresources import PodResourcesServer
 from tests.integration.conftest import make_config

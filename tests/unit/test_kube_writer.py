@@ -17,7 +17,8 @@ import pytest
 from plugin.config import load
 from plugin.health.node_state import NodeState
 from plugin.health.reasons import State
-from plugin.outlets.kube import ApiFailure, KubeReporter, LightkubeApi, ReporterSettings, make_reporter
+from plugin.outlets.kube import KubeReporter, ReporterSettings, make_reporter
+from plugin.outlets.kubeapi import ApiFailure, LightkubeApi
 from tests.conftest import FakeClock
 from tests.fakes.fake_apiserver import FakeApiServer
 from tests.fakes.node_devices import Node

@@ -27,7 +27,8 @@ import yaml
 
 from plugin.health.node_state import NodeState
 from plugin.health.reasons import State
-from plugin.outlets.kube import KubeReporter, LightkubeApi, ReporterSettings
+from plugin.outlets.kube import KubeReporter, ReporterSettings
+from plugin.outlets.kubeapi import LightkubeApi
 from tests.conftest import FakeClock
 from tests.fakes.node_devices import Node
 

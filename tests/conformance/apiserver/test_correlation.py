@@ -25,7 +25,8 @@ from plugin.health.config import HealthConfig
 from plugin.health.monitor import Monitor
 from plugin.health.node_state import NodeState
 from plugin.kubelet.resources import WholeGpus
-from plugin.outlets.correlation import CorrelationSettings, Correlator, LightkubePodApi, PodResourcesClient
+from plugin.outlets.correlation import CorrelationSettings, Correlator, PodResourcesClient
+from plugin.outlets.kubeapi import LightkubeApi
 from tests.conftest import NodeFile
 from tests.fakes.podresources import PodResourcesServer
 
@@ -150,7 +151,7 @@ def make_rig(cluster: Cluster) -> Iterator[Any]:
                                 "node_name": cluster.node, "evict_retry_initial_s": 0.05}
         opts.update(settings)
         corr = Correlator(state, CorrelationSettings(**opts), PodResourcesClient(d / "pr.sock"),
-                          lambda: LightkubePodApi(cluster.kubeconfig))
+                          lambda: LightkubeApi(cluster.kubeconfig))
         monitor.poll_once()
         rig = Rig(node, backend, monitor, kubelet, corr)
         made.append(rig)
