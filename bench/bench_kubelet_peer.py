@@ -15,14 +15,16 @@ and, with --table, a short summary.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from scripts import gobuild  # noqa: E402
+
 CONFORMANCE = REPO / "tests" / "conformance"
 
 # Kept in step with KUBELET_PINS in tests/conformance/test_kubelet_conformance.py.
@@ -30,15 +32,6 @@ PINS = {
     "v1.37.2": ("go.mod", ()),
     "v1.34.4": ("go.k134.mod", ("kube134",)),
 }
-
-
-def _load_gobuild() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_health_gobuild", CONFORMANCE / "_gobuild.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def main() -> int:
@@ -54,7 +47,6 @@ def main() -> int:
     ap.add_argument("--table", action="store_true", help="print a summary table to stderr")
     args = ap.parse_args()
 
-    gobuild = _load_gobuild()
     modfile, tags = PINS[args.kubelet]
     print(f"building or reusing kubelet-peer {args.kubelet} ...", file=sys.stderr, flush=True)
     try:

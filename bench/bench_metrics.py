@@ -73,7 +73,7 @@ def scrape_cost(n: int) -> dict[str, object]:
         monitor.poll_once()
         sup = Supervisor(root / "dp", [WholeGpus()], state, AllocationConfig(dev_root=root), stop)
         sup.record.registered = True
-        registry = build_registry(Sources(state, monitor, backend, sup))
+        registry = build_registry(Sources(state, monitor, supervisor=sup))  # simulated: no NVML counters
         monitor.last_event_loop_at = monitor.last_poll_at
         server = MetricsServer("127.0.0.1:0", registry, Probes(monitor, sup, 60.0))
         server.start()

@@ -38,12 +38,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from plugin.backoff import Backoff
 from plugin.devices.simulated import SimulatedBackend
 from plugin.health.config import HealthConfig
 from plugin.health.monitor import Monitor
 from plugin.health.node_state import NodeState
 from plugin.outlets.annotations import desired_annotations, last_transitions
-from plugin.outlets.kube import Backoff, WriteScheduler
+from plugin.outlets.kube import WriteScheduler
 
 DAY = 86_400.0
 
@@ -52,7 +53,7 @@ class NodeSim:
     """One node's reporter, reduced to what decides writes: desired vs written, and the real scheduler."""
 
     def __init__(self, rng: random.Random, debounce: float, min_interval: float) -> None:
-        self.sched = WriteScheduler(debounce, min_interval, Backoff(rng=rng), now=-DAY)
+        self.sched = WriteScheduler(debounce, min_interval, Backoff(1.0, 300.0, rng=rng), now=-DAY)
         self.desired = 0  # a version: bumped on every transition
         self.written = 0
         self.wake_at = math.inf

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
-import os
 import signal
-import socket
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from plugin.config import Config
 from plugin.devices.backend import Backend, BackendError
@@ -24,11 +20,16 @@ from plugin.health.store import StateStore
 from plugin.kubelet.allocation import AllocationConfig
 from plugin.kubelet.sharing import build_resources, profiles_of
 from plugin.kubelet.supervisor import Supervisor
-from plugin.outlets.correlation import make_correlator
 from plugin.outlets.health_api import HealthServer
-from plugin.outlets.kube import make_reporter
-from plugin.outlets.metrics import make_metrics_server
-from plugin.sockets import UNIX_PATH_MAX
+from plugin.startup import StartupError, check_paths, claim_state_dir
+
+# The optional outlets are imported by their factories, only when the config turns them on: an outlet that is off
+# costs no memory (tests/integration/test_startup_imports.py).
+if TYPE_CHECKING:
+    from plugin.devices.nvml import NvmlBackend
+    from plugin.outlets.correlation import Correlator, Resource
+    from plugin.outlets.kube import KubeReporter
+    from plugin.outlets.metrics import MetricsServer
 
 log = logging.getLogger(__name__)
 
@@ -73,116 +74,37 @@ def make_backend(cfg: Config) -> Backend:
         return UnavailableBackend(str(exc))
 
 
-class StartupError(Exception):
-    """Something the plugin needs at start cannot be had (a path, the state dir's lock); the message is one line
-    naming the option as the user set it, the path and the OS error."""
+def make_reporter(cfg: Config, state: NodeState) -> KubeReporter | None:
+    """The reporter the config asks for, or None: reporting needs a node name and at least one outlet on."""
+    wanted = cfg.annotations or cfg.events or cfg.node_condition
+    if not cfg.node_name:
+        if wanted:
+            log.info("cluster reporting off: no node name (set --node-name or NODE_NAME)")
+        return None
+    if not wanted:
+        return None
+    from plugin.outlets.kube import KubeReporter, ReporterSettings
+    from plugin.outlets.kubeapi import KubeClient
+    settings = ReporterSettings(
+        node_name=cfg.node_name, prefix=cfg.annotation_prefix, annotations=cfg.annotations, events=cfg.events,
+        condition=cfg.node_condition, condition_type=cfg.node_condition_type, debounce_s=cfg.report_debounce,
+        min_interval_s=cfg.report_min_interval, resync_s=cfg.report_resync_interval,
+        max_bytes=cfg.annotation_max_bytes, backoff_max_s=cfg.report_backoff_max)
+    kubeconfig = cfg.kubeconfig
+    return KubeReporter(state, settings, lambda: KubeClient(kubeconfig))
 
 
-LOCK_FILE = "plugin.lock"
-
-
-def _problem(label: str, path: Path | str, doing: str, exc: OSError) -> StartupError:
-    return StartupError(f"{label} {path}: {doing}: {exc.strerror or exc}")
-
-
-def _usable_dir(path: Path, label: str, file: Path | None = None) -> None:
-    """Create the directory if needed and prove that files can be created in it (a read-only mount, a path
-    under a regular file or a pseudo filesystem fail here, at start, not in a worker thread later). ``file``:
-    the option names a file in that directory rather than the directory itself."""
-    where = f"{label} {file}: its directory {path}" if file is not None else f"{label} {path}"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise StartupError(f"{where}: exists and is not a directory") from None
-    except OSError as exc:
-        raise StartupError(f"{where}: cannot create the directory: {exc.strerror or exc}") from None
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".gpu-health-probe-", dir=path)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        raise StartupError(f"{where}: cannot create files in it: {exc.strerror or exc}") from None
-
-
-class InstanceLock:
-    """One plugin per state dir: an exclusive ``flock`` on ``plugin.lock`` there, holding the owner's pid. The
-    kernel drops it when the holder dies, however it dies, so a stale file never blocks a restart."""
-
-    def __init__(self, fd: int, path: Path) -> None:
-        self._fd: int | None = fd
-        self.path = path
-
-    @classmethod
-    def acquire(cls, state_dir: Path, label: str) -> InstanceLock:
-        path = state_dir / LOCK_FILE
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as exc:
-            raise _problem(label, state_dir, f"cannot open {LOCK_FILE}", exc) from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _holder(fd)
-            os.close(fd)
-            raise StartupError(f"{label} {state_dir} is in use by another gpu-health-plugin ({holder}); stop it "
-                               f"or give this one its own {label}") from None
-        except OSError as exc:
-            os.close(fd)
-            raise _problem(label, state_dir, f"cannot lock {LOCK_FILE}", exc) from None
-        # Host name too: in a pod it is the pod's name, and the pid alone is ambiguous across pid namespaces.
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
-        return cls(fd, path)
-
-    def release(self) -> None:
-        if self._fd is None:
-            return
-        fd, self._fd = self._fd, None
-        try:
-            os.ftruncate(fd, 0)
-        except OSError:
-            pass
-        os.close(fd)  # drops the lock; the file stays, so no one can lock a file that is about to be unlinked
-
-
-def _holder(fd: int) -> str:
-    try:
-        words = os.pread(fd, 256, 0).decode(errors="replace").split()
-    except OSError:
-        words = []
-    if not words:
-        return "pid unknown: it is still starting"
-    return f"pid {words[0]}" + (f" on {words[1]}" if len(words) > 1 else "")
-
-
-def check_paths(cfg: Config) -> None:
-    """Every path option, checked before anything serves, so a bad one is one line at start (exit 1)."""
-    _usable_dir(cfg.device_plugin_dir, cfg.name_of("device_plugin_dir"))
-    sock = cfg.health_socket_path
-    label = cfg.name_of("health_socket") if cfg.health_socket is not None else cfg.name_of("state_dir")
-    if len(os.fsencode(sock)) > UNIX_PATH_MAX:
-        raise StartupError(f"{label}: the health socket path {sock} is {len(os.fsencode(sock))} bytes; a unix "
-                           f"socket path has at most {UNIX_PATH_MAX}")
-    if cfg.health_socket is not None:
-        _usable_dir(sock.parent, label, file=sock)
-    if sock.is_dir():
-        raise StartupError(f"{label}: the health socket path {sock} is a directory")
-    if not cfg.dev_root.is_dir():
-        why = "does not exist" if not cfg.dev_root.exists() else "is not a directory"
-        raise StartupError(f"{cfg.name_of('dev_root')} {cfg.dev_root}: {why}")
-    if cfg.kubeconfig is not None:
-        try:
-            with cfg.kubeconfig.open("rb"):
-                pass
-        except OSError as exc:
-            raise _problem(cfg.name_of("kubeconfig"), cfg.kubeconfig, "cannot read it", exc) from None
-
-
-def claim_state_dir(cfg: Config) -> InstanceLock:
-    """Make the state dir usable and take its lock: first, before anything reads state.json or binds a socket."""
-    label = cfg.name_of("state_dir")
-    _usable_dir(cfg.state_dir, label)
-    return InstanceLock.acquire(cfg.state_dir, label)
+def make_correlator(cfg: Config, state: NodeState, resources: Sequence[Resource]) -> Correlator | None:
+    """The outlet the config asks for, or None when it is off (no states to act on)."""
+    if not cfg.correlate_on:
+        return None
+    from plugin.outlets.correlation import CorrelationSettings, Correlator, PodResourcesClient
+    from plugin.outlets.kubeapi import KubeClient
+    settings = CorrelationSettings(
+        states=frozenset(cfg.correlate_on), resources=tuple(resources), node_name=cfg.node_name,
+        annotate=cfg.annotate_pods, evict=cfg.remediate == "evict", annotation_prefix=cfg.annotation_prefix)
+    kubeconfig = cfg.kubeconfig
+    return Correlator(state, settings, PodResourcesClient(cfg.pod_resources_socket), lambda: KubeClient(kubeconfig))
 
 
 class App:
@@ -242,6 +164,29 @@ class App:
         self.health_server.stop(grace_s=0.2)
         self.monitor.join(max(0.1, deadline - time.monotonic()))
         self.backend.close()
+
+
+def make_metrics_server(app: App) -> MetricsServer | None:
+    """/metrics, /healthz and /readyz as the config asks (None with ``--metrics-address off``), with a collector for
+    each part of the App that exists: an outlet that is off has no series."""
+    cfg = app.cfg
+    if cfg.metrics_address == "off":
+        return None
+    from plugin.outlets.metrics import MetricsServer, Probes, Sources, build_registry
+    reporter, correlator = app.kube_reporter, app.correlator
+    sources = Sources(app.state, app.monitor, backend=_nvml(app.backend), supervisor=app.supervisor,
+                      annotations=reporter.status if reporter is not None else None,
+                      correlation=(lambda: correlator.stats) if correlator is not None else None)
+    probes = Probes(app.monitor, app.supervisor, cfg.stall_threshold, clock=app.monitor.clock)
+    return MetricsServer(cfg.metrics_address, build_registry(sources), probes)
+
+
+def _nvml(backend: Backend) -> NvmlBackend | None:
+    """The backend if it is the NVML one, the only kind that counts failed NVML calls."""
+    if backend.name != "nvml":
+        return None  # without asking isinstance: that would load plugin.devices.nvml for every other backend
+    from plugin.devices.nvml import NvmlBackend
+    return backend if isinstance(backend, NvmlBackend) else None
 
 
 def run(cfg: Config) -> int:

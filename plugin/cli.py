@@ -36,7 +36,7 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _health_socket_arg(p: argparse.ArgumentParser) -> None:
-    sock, state = config_mod.BY_NAME["health_socket"], config_mod.BY_NAME["state_dir"]
+    sock, state = config_mod.option("health_socket"), config_mod.option("state_dir")
     p.add_argument("--health-socket", type=Path, default=None, metavar="PATH",
                    help=f"the plugin's health API socket (env {sock.env}; default: health.sock in the state dir)")
     p.add_argument("--state-dir", type=Path, default=None, metavar="DIR",
@@ -150,9 +150,10 @@ def _run(args: argparse.Namespace) -> int:
         print(f"gpu-health-plugin: invalid configuration: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     logs.setup(cfg.log_level, cfg.log_format)
-    from plugin.app import StartupError, run
+    from plugin.app import run
     from plugin.devices.backend import BackendError
     from plugin.devices.simulated import NodeFileError
+    from plugin.startup import StartupError
 
     # Exit 2: the configuration or the node file is wrong. Exit 1: the environment is (a path that cannot be
     # used, another instance on the state dir, NVML missing).
@@ -179,7 +180,7 @@ def _run(args: argparse.Namespace) -> int:
 def _socket_path(args: argparse.Namespace, env: Mapping[str, str]) -> Path:
     """The socket the plugin serves its health API on, found the way the plugin picks it: --health-socket, then
     GPU_HEALTH_HEALTH_SOCKET, then health.sock in the state dir (--state-dir, GPU_HEALTH_STATE_DIR, the default)."""
-    sock, state = config_mod.BY_NAME["health_socket"], config_mod.BY_NAME["state_dir"]
+    sock, state = config_mod.option("health_socket"), config_mod.option("state_dir")
     if args.health_socket is not None:
         path = Path(args.health_socket)
     elif env.get(sock.env):

@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from plugin.health.reasons import State
-from plugin.outlets.annotations import DEFAULT_PREFIX, STATE_KEY, DeviceEntry, check_prefix, parse_node
+from plugin.outlets.annotations import STATE_KEY, DeviceEntry, parse_node
+from plugin.outlets.kubecommon import DEFAULT_PREFIX
+from plugin.validation import check_prefix
 
 STATES = tuple(s.value for s in State)
 

@@ -31,8 +31,3 @@ def setup(level: str = "info", fmt: str = "text") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     logging.getLogger("watchdog").setLevel(logging.WARNING)
-    # The HTTP clients log every request at info: one line per API call is noise in a fleet's log pipeline, so
-    # they speak at info only when debugging.
-    quiet = logging.DEBUG if level == "debug" else logging.WARNING
-    for name in ("httpx", "httpx2", "httpcore"):
-        logging.getLogger(name).setLevel(quiet)

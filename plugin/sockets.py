@@ -1,14 +1,21 @@
-"""Unix sockets that exist at their final path only with their final mode, without touching the process umask."""
+"""gRPC on unix sockets: a server whose socket exists at its final path only with its final mode (without touching
+the process umask) and is removed when it stops, and the end of a streaming call as an event."""
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import shutil
 import tempfile
+import threading
+from collections.abc import Callable
+from concurrent import futures
 from pathlib import Path
 
 import grpc
+
+log = logging.getLogger(__name__)
 
 # sockaddr_un.sun_path is 108 bytes on Linux, one of them the terminating NUL.
 UNIX_PATH_MAX = 107
@@ -41,3 +48,51 @@ def bind_unix(server: grpc.Server, path: Path, mode: int) -> None:
         os.replace(tmp, path)
     finally:
         shutil.rmtree(private, ignore_errors=True)
+
+
+class UnixGrpcServer:
+    """One gRPC server on one unix socket that it owns: bound with its mode at start, removed at stop."""
+
+    def __init__(self, path: Path, mode: int, add_servicers: Callable[[grpc.Server], None], max_workers: int,
+                 thread_name_prefix: str) -> None:
+        self.path = path
+        self.mode = mode
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
+                                                              thread_name_prefix=thread_name_prefix))
+        add_servicers(self._server)
+
+    def start(self, confirm: Callable[[grpc.Channel], object] | None = None) -> None:
+        """Bind and serve; then, with ``confirm``, call it on a channel to the socket to prove that it answers.
+
+        Raises OSError or RuntimeError (bind, see bind_unix) and whatever ``confirm`` raises (grpc.RpcError).
+        """
+        bind_unix(self._server, self.path, self.mode)
+        self._server.start()
+        if confirm is not None:
+            with grpc.insecure_channel(f"unix://{self.path}") as ch:
+                confirm(ch)
+
+    def stop(self, grace_s: float) -> None:
+        """Stop serving, giving calls in flight ``grace_s``, and remove the socket (also after a failed start)."""
+        self._server.stop(grace_s).wait(grace_s + 1.0)
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # a read-only dir: nothing more to do about it here
+            log.debug("cannot remove %s: %s", self.path, exc)
+
+
+def client_left(context: grpc.ServicerContext, wake: Callable[[], None]) -> threading.Event:
+    """An event set when the call of ``context`` ends (the client cancelled or went away, the server stopped).
+
+    ``wake`` is called right after, so a stream blocked waiting for something else re-checks the event.
+    """
+    left = threading.Event()
+
+    def on_done() -> None:
+        left.set()
+        wake()
+
+    context.add_callback(on_done)
+    return left

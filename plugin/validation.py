@@ -1,9 +1,43 @@
-"""The leaf every config section and outlet checks values with: Kubernetes names and listen addresses.
+"""The leaf every config section and outlet checks values with: Kubernetes names, listen addresses, and the one error
+type for a bad value at a path.
 
-Nothing here imports the rest of the plugin, so any layer can use it.
+Nothing here imports the rest of the plugin, so any layer can use it. The name rules are Kubernetes' own (apimachinery's
+IsDNS1123Subdomain and IsQualifiedName, the kubelet's IsExtendedResourceName), so a value accepted here is one the
+API server and the kubelet accept too.
 """
 
 from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+
+class FieldError(ValueError):
+    """A bad value at a path: ``field`` is where (``health.xid.fatal``, ``--poll-interval``, ``NODE_NAME``),
+    ``message`` what is wrong with it; ``str()`` is ``field: message``, the line the CLI prints."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+def first_key(keys: Iterable[Any]) -> str:
+    """The first offending key for a message, printable even when YAML made it empty, a number or null."""
+    return sorted((k if isinstance(k, str) and k.isprintable() and k.strip() else repr(k)) for k in keys)[0]
+
+
+def parse_bool(v: Any) -> bool:
+    """A boolean as flags, environment variables and files write it: true/false, 1/0, yes/no, on/off."""
+    if isinstance(v, bool):
+        return v
+    s = str(v).strip().lower()
+    if s in ("true", "1", "yes", "on"):
+        return True
+    if s in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {v!r}")
 
 
 def split_host_port(s: str) -> tuple[str, int]:
@@ -18,3 +52,67 @@ def split_host_port(s: str) -> tuple[str, int]:
     if not port.isdigit() or int(port) > 65535:
         raise ValueError(f"port must be a number from 0 to 65535, got {port!r} in {s!r}")
     return host, int(port)
+
+
+# Kubernetes names -------------------------------------------------------------------------------------------------
+
+_DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_DNS_SUBDOMAIN_RE = re.compile(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*")
+_NAME_PART_RE = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+_REASON_CODE_RE = re.compile(r"[a-z0-9]+(-[a-z0-9]+)*")
+RESERVED_DOMAINS = ("kubernetes.io", "k8s.io")
+# Node conditions the kubelet and the node lifecycle controller write; a condition of ours under one of these types
+# would be overwritten, or would overwrite theirs.
+KUBELET_CONDITIONS = ("Ready", "MemoryPressure", "DiskPressure", "PIDPressure", "NetworkUnavailable")
+
+
+def is_dns_subdomain(s: str) -> bool:
+    return len(s) <= 253 and _DNS_SUBDOMAIN_RE.fullmatch(s) is not None
+
+
+def is_qualified_name(s: str) -> bool:
+    """``[prefix/]name``: a DNS-subdomain prefix and a name of at most 63 characters (label and annotation keys,
+    condition types)."""
+    prefix, sep, name = s.rpartition("/")
+    if sep and not is_dns_subdomain(prefix):
+        return False
+    return len(name) <= 63 and _NAME_PART_RE.fullmatch(name) is not None
+
+
+def is_extended_resource_name(s: str) -> bool:
+    """The kubelet's rule at Register: ``domain/name``, outside every ``*kubernetes.io/`` domain (the native
+    resources), not starting ``requests.``, and still a qualified name once quota prefixes it with ``requests.``."""
+    if "/" not in s or "kubernetes.io/" in s or s.startswith("requests."):
+        return False
+    return is_qualified_name("requests." + s)
+
+
+def is_reason_code(s: str) -> bool:
+    """Reason codes are lower-case words joined by single hyphens (``xid-79``, ``ecc-uncorrected``)."""
+    return _REASON_CODE_RE.fullmatch(s) is not None
+
+
+def check_prefix(prefix: str) -> str:
+    """The annotation prefix must be a DNS subdomain the project owns: never a Kubernetes-reserved one."""
+    if not is_dns_subdomain(prefix):
+        raise ValueError(f"expected a DNS subdomain (lower-case, dot-separated, at most 253 chars), got {prefix!r}")
+    for reserved in RESERVED_DOMAINS:
+        if prefix == reserved or prefix.endswith("." + reserved):
+            raise ValueError(f"{prefix!r} is reserved for Kubernetes itself; use a domain you own")
+    return prefix
+
+
+def check_node_name(name: str) -> str:
+    """A node name is a DNS subdomain; the empty string means "unknown" (reporting off)."""
+    if name and not is_dns_subdomain(name):
+        raise ValueError(f"expected a node name (a lower-case DNS subdomain), got {name!r}")
+    return name
+
+
+def check_condition_type(v: str) -> str:
+    """A node condition type of our own: a qualified name (at most 316 characters, as metav1.Condition allows)."""
+    if not is_qualified_name(v) or len(v) > 316:
+        raise ValueError(f"expected a condition type like GPUHealthy (a qualified name), got {v!r}")
+    if v in KUBELET_CONDITIONS:
+        raise ValueError(f"{v!r} belongs to the kubelet or the cloud provider; pick a type of our own")
+    return v

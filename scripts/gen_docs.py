@@ -1,6 +1,6 @@
 """Generate the reference docs that must not drift from the code.
 
-    docs/config.md   every plugin option (flag, environment variable, file key, default) from plugin/config.py's
+    docs/config.md   every plugin option (flag, environment variable, file key, default) from plugin/config's
                      OPTIONS; the keys of the file's health and sharing sections with their defaults
     docs/reasons.md  the reason-code table from plugin/health/reasons.py's REASONS
 
@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from plugin import config as config_mod  # noqa: E402
-from plugin.health.config import HealthConfig  # noqa: E402
+from plugin.health.config import HealthConfig, parse_health  # noqa: E402
 from plugin.health.reasons import REASONS, State  # noqa: E402
 from plugin.kubelet.sharing import parse_sharing  # noqa: E402
 
@@ -220,13 +220,13 @@ def _cell(text: str) -> str:
 def render_config() -> str:
     health_default = HealthConfig()
     accepted_health = accepted_keys(
-        config_mod.parse_health, "health",
+        parse_health, "health",
         {"xid": {}, "appXidRepeat": {}, "thresholds": {}, "latchHoldSeconds": {}, "flap": {}, "kubeletHealth": {}})
     _check_coverage("health", HEALTH_KEYS, accepted_health)
     accepted_sharing = accepted_keys(parse_sharing, "sharing", {"timeSlicing": {"resources": [{}]}})
     _check_coverage("sharing", SHARING_KEYS, accepted_sharing)
 
-    lines = [HEADER.format(source="plugin/config.py, plugin/health/policy.py and plugin/kubelet/sharing.py"),
+    lines = [HEADER.format(source="plugin/config/, plugin/health/config.py and plugin/kubelet/sharing.py"),
              "# Configuration reference", "",
              "Every option of `gpu-health-plugin run` has a flag, an environment variable and a key in the "
              "`plugin` section of the config file; precedence is **flags > environment > file > default**. "

@@ -6,6 +6,7 @@ Every backend produces these same immutable values, so the health policy never k
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 RECOVERY_ACTIONS = ("none", "gpu_reset", "node_reboot", "drain_p2p", "drain_and_reset")
 CLOCK_EVENT_REASONS = ("hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown")
@@ -76,17 +77,23 @@ class Reading:
     errors: tuple[tuple[str, str], ...] = ()
 
 
+class EventKind(StrEnum):
+    XID = "xid"  # the event's code carries the XID
+    ECC_DBE = "ecc-dbe"
+    GPU_UNAVAILABLE = "gpu-unavailable"
+    RECOVERY_ACTION = "recovery-action"
+
+
 @dataclass(frozen=True)
 class GpuEvent:
-    """A driver event. ``kind``: xid, ecc-dbe, gpu-unavailable, recovery-action (``code`` carries the XID)."""
+    """A driver event; ``code`` carries the XID of an XID event and the action of a recovery-action one."""
 
     uuid: str
-    kind: str
+    kind: EventKind
     code: int
     time: float
     gpu_instance_id: int | None = None  # None: the whole GPU
     compute_instance_id: int | None = None
-    detail: str = ""
 
 
 @dataclass(frozen=True)

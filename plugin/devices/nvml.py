@@ -15,7 +15,7 @@ from types import ModuleType
 from typing import Any
 
 from plugin.devices.backend import BackendError
-from plugin.devices.model import Discovery, Gpu, GpuEvent, MigDevice, Reading
+from plugin.devices.model import Discovery, EventKind, Gpu, GpuEvent, MigDevice, Reading
 
 log = logging.getLogger(__name__)
 
@@ -429,13 +429,13 @@ class NvmlBackend:
         scope = None if gi == WHOLE_GPU else gi
         cscope = None if ci == WHOLE_GPU else ci
         if etype & EV_XID:
-            return (GpuEvent(uuid, "xid", int(data.eventData), now, scope, cscope),)
+            return (GpuEvent(uuid, EventKind.XID, int(data.eventData), now, scope, cscope),)
         if etype & EV_DBE:
-            return (GpuEvent(uuid, "ecc-dbe", 0, now, scope, cscope),)
+            return (GpuEvent(uuid, EventKind.ECC_DBE, 0, now, scope, cscope),)
         if etype & EV_GPU_UNAVAILABLE:
-            return (GpuEvent(uuid, "gpu-unavailable", 0, now),)
+            return (GpuEvent(uuid, EventKind.GPU_UNAVAILABLE, 0, now),)
         if etype & EV_RECOVERY_ACTION:
-            return (GpuEvent(uuid, "recovery-action", int(data.eventData), now),)
+            return (GpuEvent(uuid, EventKind.RECOVERY_ACTION, int(data.eventData), now),)
         return ()
 
     def _uuid_of(self, handle: Any) -> str | None:

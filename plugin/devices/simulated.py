@@ -30,6 +30,7 @@ from plugin.devices.model import (
     FABRIC_HEALTH,
     RECOVERY_ACTIONS,
     Discovery,
+    EventKind,
     Gpu,
     GpuEvent,
     MigDevice,
@@ -324,13 +325,13 @@ class SimulatedBackend:
         # on every plugin start.
         if seen is not None and len(xids) > seen:
             for xid in xids[seen:]:
-                self._events.put(GpuEvent(uuid=uuid, kind="xid", code=int(xid), time=now))
+                self._events.put(GpuEvent(uuid=uuid, kind=EventKind.XID, code=int(xid), time=now))
         self._xid_seen[uuid] = len(xids)
         migs = s.signals.get("mig_events", [])
         seen_mig = self._mig_seen.get(uuid)
         if seen_mig is not None and len(migs) > seen_mig:
             for m in migs[seen_mig:]:
-                self._events.put(GpuEvent(uuid=uuid, kind="xid", code=int(m["xid"]), time=now,
+                self._events.put(GpuEvent(uuid=uuid, kind=EventKind.XID, code=int(m["xid"]), time=now,
                                           gpu_instance_id=int(m["gpu_instance_id"])))
         self._mig_seen[uuid] = len(migs)
 

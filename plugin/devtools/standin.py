@@ -6,7 +6,6 @@ conformance suite checks the same behaviour against the kubelet's own code."""
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -17,9 +16,9 @@ from pathlib import Path
 import grpc
 
 from api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from plugin.validation import is_extended_resource_name
 
 log = logging.getLogger(__name__)
-_RESOURCE = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 
 
 @dataclass
@@ -110,7 +109,7 @@ class KubeletStandin(api_pb2_grpc.RegistrationServicer):
         if request.version != "v1beta1":
             return reject(f"unsupported device plugin API version {request.version!r}")
         name = request.resource_name
-        if not _RESOURCE.match(name) or name.startswith("kubernetes.io/") or name.split("/")[0] == "kubernetes.io":
+        if not is_extended_resource_name(name):
             return reject(f"invalid extended resource name {name!r}")
         if not request.endpoint or "/" in request.endpoint:
             return reject(f"endpoint must be a bare file name in the plugin dir, got {request.endpoint!r}")

@@ -14,9 +14,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from plugin.devices.backend import Backend
-from plugin.devices.model import Gpu, GpuEvent, Reading
+from plugin.devices.model import EventKind, Gpu, GpuEvent, Reading
 from plugin.health.config import HealthConfig
 from plugin.health.node_state import DeviceStatus, NodeState, Transition
+from plugin.health.policy import Disposition
 from plugin.health.reasons import State
 from plugin.health.store import Persister, StateStore
 from plugin.health.tracker import DeviceTracker
@@ -123,7 +124,7 @@ class Monitor:
         with self._lock:
             for e in events:
                 self.events_seen += 1
-                if e.kind == "xid":
+                if e.kind == EventKind.XID:
                     key = (e.uuid, e.code)
                     self.xids_seen[key] = self.xids_seen.get(key, 0) + 1
                 if e.gpu_instance_id is not None:
@@ -134,7 +135,7 @@ class Monitor:
                     log.warning("event %s %s for unknown device %s ignored", e.kind, e.code, e.uuid)
                     continue
                 log.info("device %s: %s %s", e.uuid, e.kind, e.code)
-                if tracker.observe_event(e) == "poll":
+                if tracker.observe_event(e) == Disposition.POLL:
                     poll = True
             transitions = self._publish_locked(self.clock())
         if poll:
@@ -235,13 +236,13 @@ class Monitor:
         mapping = self.cfg.kubelet_health
         for uuid, tracker in sorted(self._trackers.items(), key=lambda kv: self._gpus[kv[0]].index):
             gpu = self._gpus[uuid]
-            state, reasons = tracker.verdict(now)
+            state, reasons = tracker.update(now)
             statuses.append(DeviceStatus(uuid, gpu, state, reasons, tracker.since, mapping[state]))
             for mig in gpu.mig_devices:
                 own = self._mig_trackers.get(f"{uuid}/{mig.uuid}")
                 m_state, m_reasons, m_since = state, reasons, tracker.since
                 if own is not None:
-                    o_state, o_reasons = own.verdict(now)
+                    o_state, o_reasons = own.update(now)
                     m_state = State.worst(state, o_state)
                     m_reasons = tuple(sorted(o_reasons + reasons, key=lambda r: -r.severity.rank))
                     m_since = max(m_since, own.since)

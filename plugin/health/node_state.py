@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from plugin.devices.model import Gpu, MigDevice
-from plugin.health.reasons import Reason, State
+from plugin.health.reasons import KubeletHealth, Reason, State
 
 ABSENT = "Absent"  # the pseudo-state of a device before it appears and after it is gone
 
@@ -26,7 +26,7 @@ class DeviceStatus:
     state: State
     reasons: tuple[Reason, ...]
     since: float
-    kubelet_health: str
+    kubelet_health: KubeletHealth
     mig: MigDevice | None = None
 
     @property
@@ -145,6 +145,23 @@ class NodeState:
             self._cond.wait_for(lambda: self._snapshot.version != since_version or self._closed
                                 or (abort is not None and abort()), timeout)
             return self._snapshot
+
+    def follow(self, since_version: int, until: Callable[[], bool],
+               recheck_s: float = 1.0) -> Iterator[Snapshot]:
+        """A stream's view of the state: the snapshot at every wake-up (at once if newer than ``since_version``,
+        then after each publish, and every ``recheck_s`` anyway) until ``until()`` holds or the state closes.
+
+        After a recheck the snapshot may be the one yielded last: each stream decides what is news to its client.
+        ``until`` is re-checked whenever someone calls ``poke``, so whoever makes it true must poke; the recheck
+        only bounds a missed wake-up.
+        """
+        version = since_version
+        while True:
+            snap = self.wait_for_change(version, recheck_s, abort=until)
+            if until() or self._closed:
+                return
+            version = snap.version
+            yield snap
 
     def poke(self) -> None:
         """Wake waiters so they re-check their abort condition (a stream's client left, a server stops)."""

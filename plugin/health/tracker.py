@@ -10,12 +10,17 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from plugin.devices.model import GpuEvent, Reading
 from plugin.health.config import HealthConfig
-from plugin.health.policy import RATE_CODES, classify_event, evaluate_reading
-from plugin.health.reasons import Condition, Reason, State
+from plugin.health.policy import RATE_CODES, Disposition, classify_event, condition, evaluate_reading
+from plugin.health.reasons import SPECS, Condition, Reason, Source, State
+
+
+class Verdict(NamedTuple):
+    state: State
+    reasons: tuple[Reason, ...]  # worst first
 
 
 @dataclass
@@ -61,9 +66,9 @@ class DeviceTracker:
             if self._error_streak >= self.cfg.nvml_error_polls:
                 what = ", ".join(sorted({s for s, _ in reading.errors}))
                 first = reading.errors[0][1]
-                found.append(Condition("nvml-error", State.UNKNOWN,
+                found.append(condition("nvml-error",
                                        f"NVML failed {self._error_streak} polls in a row ({what}: {first})",
-                                       "poll", "contact-support"))
+                                       Source.POLL))
             # A failed read says nothing about signals we could not see: keep what was active, only add.
             for c in found:
                 self._raise_polled(c, now)
@@ -109,13 +114,13 @@ class DeviceTracker:
         # The driver's recovery action returning to none means the reset it asked for happened.
         return prev.recovery_action not in (None, "none") and reading.recovery_action == "none"
 
-    def observe_event(self, event: GpuEvent) -> str:
-        """Feed one driver event; returns the policy's disposition (``poll`` asks the caller to poll now)."""
+    def observe_event(self, event: GpuEvent) -> Disposition:
+        """Feed one driver event; returns the policy's disposition (``POLL`` asks the caller to poll now)."""
         disposition, c = classify_event(event, self.cfg)
         now = event.time
-        if disposition == "latch" and c is not None:
+        if disposition == Disposition.LATCH and c is not None:
             self._latch(c, now)
-        elif disposition == "count" and c is not None:
+        elif disposition == Disposition.COUNT and c is not None:
             times = self._app_xids.setdefault(event.code, deque())
             times.append(now)
             while times and times[0] < now - self.cfg.app_xid_window_s:
@@ -137,7 +142,7 @@ class DeviceTracker:
         self._app_xids.clear()
         self._previous = None
 
-    def expire(self, now: float) -> None:
+    def _expire(self, now: float) -> None:
         for code, latched in list(self._latched.items()):
             hold = self.cfg.latch_hold_s.get(latched.reason.severity)
             if hold is not None and now - latched.last_seen >= hold:
@@ -145,16 +150,11 @@ class DeviceTracker:
 
     # Verdict --------------------------------------------------------------------------------------------------
 
-    def verdict(self, now: float) -> tuple[State, tuple[Reason, ...]]:
-        """Current state and reasons (worst first); records state changes for flap damping."""
-        self.expire(now)
-        merged: dict[str, Reason] = {}
-        for r in [lt.reason for lt in self._latched.values()] + [p.reason for p in self._polled.values()]:
-            have = merged.get(r.code)
-            if have is None or r.severity.rank > have.severity.rank:
-                merged[r.code] = r if have is None else Reason(r.code, r.severity, r.message, r.source, r.action,
-                                                               min(r.first_seen, have.first_seen))
-        reasons = sorted(merged.values(), key=lambda r: (-r.severity.rank, r.first_seen, r.code))
+    def update(self, now: float) -> Verdict:
+        """Advance to ``now`` and return the verdict there: expire latches, record a state change for flap damping
+        (tripping or ending the back-off), and move ``state`` and ``since``. The one place any of that happens."""
+        self._expire(now)
+        reasons = self._merged()
         state = State.worst(*(r.severity for r in reasons))
         while self._changes and self._changes[0][0] < now - self.cfg.flap_window_s:
             self._changes.popleft()
@@ -163,10 +163,7 @@ class DeviceTracker:
             self._changes.clear()
             self._backoff_until = 0.0
         if now < self._backoff_until and self._held.rank > state.rank:
-            reasons.append(Reason("flapping", self._held,
-                                  f"changed state {len(self._changes)} times in "
-                                  f"{self.cfg.flap_window_s / 60:g} min; holding {self._held.value}",
-                                  "poll", "contact-support", self._backoff_until - self.cfg.flap_backoff_s))
+            reasons.append(self._flapping(self._backoff_until - self.cfg.flap_backoff_s))
             state = self._held
         if state != self.state:
             self._changes.append((now, self.state))
@@ -174,10 +171,7 @@ class DeviceTracker:
                 self._held = State.worst(state, *(s for _, s in self._changes))
                 self._backoff_until = now + self.cfg.flap_backoff_s
                 if self._held.rank > state.rank:
-                    reasons.append(Reason("flapping", self._held,
-                                          f"changed state {len(self._changes)} times in "
-                                          f"{self.cfg.flap_window_s / 60:g} min; holding {self._held.value}",
-                                          "poll", "contact-support", now))
+                    reasons.append(self._flapping(now))
                     state = self._held
             if state != self.state:
                 self.state = state
@@ -186,7 +180,23 @@ class DeviceTracker:
             # First verdict of a device that starts Healthy: it has been in this state since it was first seen,
             # and that instant must not move with every poll (outlets diff on it).
             self.since = now
-        return self.state, tuple(reasons)
+        return Verdict(self.state, tuple(reasons))
+
+    def _merged(self) -> list[Reason]:
+        """Latched and polled reasons, one per code at its worst severity and earliest first_seen, worst first."""
+        merged: dict[str, Reason] = {}
+        for r in [lt.reason for lt in self._latched.values()] + [p.reason for p in self._polled.values()]:
+            have = merged.get(r.code)
+            if have is None or r.severity.rank > have.severity.rank:
+                merged[r.code] = r if have is None else Reason(r.code, r.severity, r.message, r.source, r.action,
+                                                               min(r.first_seen, have.first_seen))
+        return sorted(merged.values(), key=lambda r: (-r.severity.rank, r.first_seen, r.code))
+
+    def _flapping(self, first_seen: float) -> Reason:
+        # The table gives the action; the severity is the state held, which is the point of the reason.
+        return Reason("flapping", self._held,
+                      f"changed state {len(self._changes)} times in {self.cfg.flap_window_s / 60:g} min; "
+                      f"holding {self._held.value}", Source.POLL, SPECS["flapping"].action, first_seen)
 
     # Persistence: only what must survive a restart (a poll re-derives the rest) -----------------------------------
 

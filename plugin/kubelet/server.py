@@ -13,10 +13,9 @@ from api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from plugin.health.node_state import NodeState
 from plugin.kubelet.allocation import AllocationConfig, AllocationError, check_ids, container_response
 from plugin.kubelet.resources import KubeletDevice, Resource
+from plugin.sockets import client_left
 
 log = logging.getLogger(__name__)
-
-STREAM_RECHECK_S = 1.0  # waiters are poked on change and on stop; this only bounds a missed wake-up
 
 
 class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
@@ -50,24 +49,13 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
 
     def ListAndWatch(self, request: api_pb2.Empty,
                      context: grpc.ServicerContext) -> Iterator[api_pb2.ListAndWatchResponse]:
-        left = threading.Event()
-
-        def on_done() -> None:
-            left.set()
-            self.state.poke()
-
-        context.add_callback(on_done)
+        left = client_left(context, self.state.poke)
         with self._streams_lock:
             self._streams += 1
         try:
-            version = -1
             last: tuple[KubeletDevice, ...] | None = None
-            while True:
-                snap = self.state.wait_for_change(version, STREAM_RECHECK_S,
-                                                  abort=lambda: left.is_set() or self.closed.is_set())
-                if left.is_set() or self.closed.is_set() or self.state.closed:
-                    return
-                version = snap.version
+            # From version -1, which no snapshot has: the kubelet gets the first response at once.
+            for snap in self.state.follow(-1, lambda: left.is_set() or self.closed.is_set()):
                 view = self.resource.devices(snap)
                 if view != last:
                     last = view

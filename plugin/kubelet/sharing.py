@@ -19,7 +19,6 @@ supervisor serves, one gRPC server and socket per resource. ``docs/sharing.md`` 
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,22 +33,17 @@ from plugin.kubelet.resources import (
     Selection,
     mig_pool,
 )
+from plugin.validation import FieldError, is_extended_resource_name
 
 log = logging.getLogger(__name__)
 
 MIG_STRATEGIES = ("none", "single", "mixed")
 POLICIES = ("distributed", "packed")
 MAX_REPLICAS = 1024  # per device; beyond this a ListAndWatch message on a large node nears gRPC's 4 MiB default
-_RESOURCE_RE = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 
-
-class SharingError(ValueError):
-    """A bad value in the sharing section; ``field`` is its path (``sharing.timeSlicing.resources[0].replicas``)."""
-
-    def __init__(self, field_name: str, message: str) -> None:
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
-        self.message = message
+# A bad value in the sharing section, its ``field`` the path (``sharing.timeSlicing.resources[0].replicas``): the
+# one error type of every config section, so the loader passes it on as it is.
+SharingError = FieldError
 
 
 @dataclass(frozen=True)
@@ -95,7 +89,7 @@ def _flag(v: Any, where: str) -> bool:
 
 
 def _resource_name(v: Any, where: str) -> str:
-    if not isinstance(v, str) or not _RESOURCE_RE.match(v) or len(v) > 253 or v.split("/")[0] == "kubernetes.io":
+    if not isinstance(v, str) or not is_extended_resource_name(v):
         raise SharingError(where, f"expected an extended resource name like nvidia.com/gpu.shared, got {v!r}")
     return v
 

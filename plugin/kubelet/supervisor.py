@@ -24,7 +24,6 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,11 +32,12 @@ from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
 from api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from plugin.backoff import Backoff
 from plugin.health.node_state import NodeState
 from plugin.kubelet.allocation import AllocationConfig
 from plugin.kubelet.resources import Resource
 from plugin.kubelet.server import DevicePluginServicer
-from plugin.sockets import bind_unix
+from plugin.sockets import UnixGrpcServer
 
 log = logging.getLogger(__name__)
 
@@ -61,27 +61,21 @@ class PluginServer:
         self.path = plugin_dir / self.endpoint
         self.resource = resource
         self.servicer = servicer
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
-                                                              thread_name_prefix=f"dp-{short}"))
-        api_pb2_grpc.add_DevicePluginServicer_to_server(servicer, self._server)
+        # Born 0600 at its final name (see bind_unix): the kubelet runs as root, nobody else may connect.
+        self._grpc = UnixGrpcServer(self.path, 0o600,
+                                    lambda s: api_pb2_grpc.add_DevicePluginServicer_to_server(servicer, s),
+                                    max_workers, f"dp-{short}")
 
     def start(self, confirm_timeout_s: float = 5.0) -> None:
         """Serve and confirm the socket answers. Raises OSError, RuntimeError (bind) or grpc.RpcError (confirm)."""
-        # Born 0600 at its final name (see bind_unix): the kubelet runs as root, nobody else may connect.
-        bind_unix(self._server, self.path, 0o600)
-        self._server.start()
-        with grpc.insecure_channel(f"unix://{self.path}") as ch:
+        def confirm(ch: grpc.Channel) -> None:
             api_pb2_grpc.DevicePluginStub(ch).GetDevicePluginOptions(api_pb2.Empty(), timeout=confirm_timeout_s)
+
+        self._grpc.start(confirm)
 
     def stop(self, grace_s: float = 0.5) -> None:
         self.servicer.close()
-        self._server.stop(grace_s).wait(grace_s + 1.0)
-        try:
-            self.path.unlink()
-        except FileNotFoundError:
-            pass
-        except OSError as exc:  # a read-only dir: nothing more to do about it here
-            log.debug("cannot remove %s: %s", self.path, exc)
+        self._grpc.stop(grace_s)
 
 
 def register(kubelet_socket: Path, server: PluginServer, options: api_pb2.DevicePluginOptions,
@@ -115,31 +109,32 @@ class Phase(enum.Enum):
     DEAD = "dead"  # the loop raised: /healthz fails so the kubelet restarts the pod
 
 
-@dataclass
-class Backoff:
-    """Exponential back-off with a cap for one kind of step, and when a failure is worth a log line: the first of a
-    streak, a changed reason, and each time the streak doubles from 8 attempts on (so a failure that lasts hours
+class FailureStreak:
+    """The failures in a row of one kind of step: how long to wait after each (the one back-off formula, without
+    jitter: the kubelet is a local peer, not a fleet's shared server) and whether one is worth a log line: the first
+    of a streak, a changed reason, and each time the streak doubles from 8 attempts on (so a failure that lasts hours
     still shows its reason now and then, at a logarithmic cost)."""
 
-    initial_s: float
-    max_s: float
-    attempts: int = 0
-    delay_s: float = 0.0
-    last_reason: str = ""
+    def __init__(self, initial_s: float, max_s: float) -> None:
+        self._backoff = Backoff(initial_s, max_s, jitter=False)
+        self._last_reason = ""
+
+    @property
+    def attempts(self) -> int:
+        return self._backoff.failures
 
     def failed(self, reason: str) -> tuple[float, bool]:
         """Record one failed attempt; return (seconds to wait, whether to log it)."""
-        self.attempts += 1
-        self.delay_s = self.initial_s if self.attempts == 1 else min(self.delay_s * 2, self.max_s)
-        n = self.attempts
-        worth = n == 1 or reason != self.last_reason or (n >= 8 and n & (n - 1) == 0)
-        self.last_reason = reason
-        return self.delay_s, worth
+        delay = self._backoff.next_delay()
+        n = self._backoff.failures
+        worth = n == 1 or reason != self._last_reason or (n >= 8 and n & (n - 1) == 0)
+        self._last_reason = reason
+        return delay, worth
 
     def succeeded(self) -> int:
         """End the streak; return how many attempts had failed in it."""
-        n, self.attempts, self.delay_s, self.last_reason = self.attempts, 0, 0.0, ""
-        return n
+        self._last_reason = ""
+        return self._backoff.reset()
 
 
 def _failure_kind(exc: BaseException) -> str:
@@ -212,8 +207,8 @@ class Supervisor:
         self._observer: Observer | None = None  # type: ignore[valid-type]
         self._thread: threading.Thread | None = None
         self._death: str | None = None
-        self._serve_backoff = Backoff(backoff_initial_s, backoff_max_s)
-        self._register_backoff = Backoff(backoff_initial_s, backoff_max_s)
+        self._serve_backoff = FailureStreak(backoff_initial_s, backoff_max_s)
+        self._register_backoff = FailureStreak(backoff_initial_s, backoff_max_s)
         self._retry = Phase.SERVE  # what BACKOFF goes back to
         self._delay_s = 0.0
         # The kubelet (kubelet.sock's inode, ctime) of the last complete registration.

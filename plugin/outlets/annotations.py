@@ -17,7 +17,6 @@ Keys (``<prefix>`` is ``gpu-health.io`` by default):
 
 from __future__ import annotations
 
-import datetime as dt
 import hashlib
 import json
 import re
@@ -26,9 +25,10 @@ from dataclasses import dataclass
 
 from plugin.health.node_state import ABSENT, DeviceStatus, Snapshot, Transition
 from plugin.health.reasons import ACTIONS, Reason, State
+from plugin.outlets.kubecommon import DEFAULT_PREFIX, rfc3339
+from plugin.validation import is_qualified_name
 
 SCHEMA_VERSION = "v1"
-DEFAULT_PREFIX = "gpu-health.io"
 DEFAULT_MAX_BYTES = 65536
 API_LIMIT_BYTES = 256 * 1024  # the API server's limit on all annotations of an object together
 
@@ -42,30 +42,6 @@ TRUNCATED_KEY = "truncated"
 FIXED_KEYS = (SCHEMA_KEY, STATE_KEY, SUMMARY_KEY, TRUNCATED_KEY)
 
 _DEVICE_NAME_RE = re.compile(r"^(gpu\.\d+(\.mig\.\d+\.\d+)?|dev\.[0-9a-f]{16})$")
-_DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
-_DNS_SUBDOMAIN_RE = re.compile(rf"^{_DNS_LABEL}(\.{_DNS_LABEL})*$")
-_NAME_RE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
-
-
-def check_prefix(prefix: str) -> str:
-    """The annotation prefix must be a DNS subdomain the project owns: never a Kubernetes-reserved one."""
-    if not prefix or len(prefix) > 253 or not _DNS_SUBDOMAIN_RE.match(prefix):
-        raise ValueError(f"expected a DNS subdomain (lower-case, dot-separated, at most 253 chars), got {prefix!r}")
-    for reserved in ("kubernetes.io", "k8s.io"):
-        if prefix == reserved or prefix.endswith("." + reserved):
-            raise ValueError(f"{prefix!r} is reserved for Kubernetes itself; use a domain you own")
-    return prefix
-
-
-def check_node_name(name: str) -> str:
-    """A node name is a DNS subdomain; the empty string means "unknown" (reporting off)."""
-    if name and (len(name) > 253 or not _DNS_SUBDOMAIN_RE.match(name)):
-        raise ValueError(f"expected a node name (a lower-case DNS subdomain), got {name!r}")
-    return name
-
-
-def rfc3339(t: float) -> str:
-    return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def device_name(d: DeviceStatus) -> str:
@@ -89,7 +65,7 @@ def device_names(devices: Iterable[DeviceStatus]) -> dict[str, str]:
         counts[name] = counts.get(name, 0) + 1
     out: dict[str, str] = {}
     for dev_id, name in wanted.items():
-        ok = counts[name] == 1 and _NAME_RE.match(name) and len(name) <= 63 and _DEVICE_NAME_RE.match(name)
+        ok = counts[name] == 1 and is_qualified_name(name) and _DEVICE_NAME_RE.match(name)
         out[dev_id] = name if ok else hashed_name(dev_id)
     return out
 

@@ -8,26 +8,14 @@ node never causes a write.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from plugin.health.node_state import Snapshot
 from plugin.health.reasons import State
-from plugin.outlets.annotations import device_names, rfc3339, top_reasons
-
-MESSAGE_MAX = 1024
-_TYPE_RE = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
-
-
-def check_condition_type(v: str) -> str:
-    name = v.rsplit("/", 1)[-1]
-    if not _TYPE_RE.match(v) or len(name) > 63 or len(v) > 316:
-        raise ValueError(f"expected a condition type like GPUHealthy (a qualified name), got {v!r}")
-    if v in ("Ready", "MemoryPressure", "DiskPressure", "PIDPressure", "NetworkUnavailable"):
-        raise ValueError(f"{v!r} belongs to the kubelet or the cloud provider; pick a type of our own")
-    return v
+from plugin.outlets.annotations import device_names, top_reasons
+from plugin.outlets.kubecommon import rfc3339, truncate
 
 
 @dataclass(frozen=True)
@@ -72,9 +60,7 @@ def desired_condition(snapshot: Snapshot, ctype: str) -> DesiredCondition:
         codes = ", ".join(r.code for r in top_reasons(d.reasons)) or "no reason given"
         parts.append(f"{names[d.id]} ({d.id}): {codes}")
     message = head + (": " + "; ".join(parts) if parts else "")
-    if len(message) > MESSAGE_MAX:
-        message = message[:MESSAGE_MAX - 3] + "..."
-    return DesiredCondition(ctype, status, reason, message)
+    return DesiredCondition(ctype, status, reason, truncate(message))
 
 
 def find_condition(conditions: list[dict[str, Any]] | None, ctype: str) -> dict[str, Any] | None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import random
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -32,15 +31,13 @@ import grpc
 
 from api.podresources.v1 import api_pb2 as pr_pb2
 from api.podresources.v1 import api_pb2_grpc as pr_grpc
-from plugin.health.node_state import NodeState, Snapshot, Transition
-from plugin.kubelet.resources import Resource
-from plugin.outlets.kube import Backoff
-from plugin.outlets.kubeapi import ApiFailure, LightkubeApi, PodApi
+from plugin.backoff import Backoff
+from plugin.health.node_state import DeviceStatus, NodeState, Snapshot, Transition
+from plugin.outlets.kubeapi import ApiFailure, PodApi
+from plugin.outlets.kubecommon import DEFAULT_PREFIX, Closeable, Involved, OutletThread, event_body
 
 log = logging.getLogger(__name__)
 
-COMPONENT = "gpu-health-device-plugin"
-MESSAGE_MAX = 1024
 ANNOTATION = "failing-devices"  # under the configured prefix: gpu-health.io/failing-devices
 
 
@@ -104,9 +101,18 @@ def holdings(resp: pr_pb2.ListPodResourcesResponse) -> list[Holding]:
     return out
 
 
-# The Kubernetes side --------------------------------------------------------------------------------------------------
-
 # The outlet -------------------------------------------------------------------------------------------------------
+
+class Resource(Protocol):
+    """What correlation needs of a resource the plugin serves (the kubelet side's resources are these)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def backing(self, snap: Snapshot, device_id: str) -> DeviceStatus | None:
+        """The node-state device behind one advertised ID; None when unknown."""
+        ...
+
 
 @dataclass(frozen=True)
 class CorrelationSettings:
@@ -115,7 +121,7 @@ class CorrelationSettings:
     node_name: str = ""
     annotate: bool = False
     evict: bool = False
-    annotation_prefix: str = "gpu-health.io"
+    annotation_prefix: str = DEFAULT_PREFIX
     evict_retry_initial_s: float = 5.0
     evict_retry_max_s: float = 300.0
     lookup_retry_initial_s: float = 1.0
@@ -169,62 +175,35 @@ class _Eviction:
     pod: str
     uid: str
     devices: tuple[str, ...]
-    attempts: int = 0
+    backoff: Backoff
     next_at: float = 0.0
 
 
-class Correlator:
+class Correlator(OutletThread):
     def __init__(self, state: NodeState, settings: CorrelationSettings, lister: PodLister,
                  api_factory: Callable[[], PodApi], clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time, rng: random.Random | None = None) -> None:
-        self.state = state
+        super().__init__(state, clock, version=-1, thread_name="correlation", label="pod correlation", log=log)
         self.settings = settings
         self.lister = lister
         self._api_factory = api_factory
         self._api: PodApi | None = None
-        self._clock = clock
         self._wall = wall
         self.stats = CorrelationStats()
         self._seq = state.snapshot().seq
-        self._version = -1
         self._pending: dict[str, Transition] = {}  # device id -> transition not yet matched to pods
-        self._lookup_failures = 0
+        # Lookups and evictions retry without jitter: the kubelet's socket and a PodDisruptionBudget's refusal are
+        # this node's own, not a fleet's coming back at once.
+        self._lookup = Backoff(settings.lookup_retry_initial_s, settings.lookup_retry_max_s, jitter=False)
         self._lookup_at = 0.0
         self._done: OrderedDict[tuple[str, str, str, str], None] = OrderedDict()  # (ns, pod, device, state)
         self._evictions: dict[tuple[str, str], _Eviction] = {}
         self._work: OrderedDict[tuple[str, str], _PodWork] = OrderedDict()  # (ns, pod) -> what it is still owed
         self._rng = rng or random.Random()
-        self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
         self._logged: set[str] = set()
 
-    # Thread -----------------------------------------------------------------------------------------------------
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="correlation", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float = 2.0) -> None:
-        self._stopping.set()
-        self.state.poke()
-        if self._thread is not None:
-            self._thread.join(timeout)
-        for closer in (self.lister.close, self._api.close if self._api is not None else None):
-            if closer is not None:
-                try:
-                    closer()
-                except Exception:  # a broken connection must not fail the shutdown
-                    pass
-
-    def _run(self) -> None:
-        while not self._stopping.is_set() and not self.state.closed:
-            try:
-                next_at = self.step(self._clock())
-            except Exception:
-                log.exception("pod correlation: unexpected error; retrying in 5s")
-                next_at = self._clock() + 5.0
-            wait = max(0.0, min(next_at - self._clock(), 3600.0))
-            self.state.wait_for_change(self._version, wait, abort=self._stopping.is_set)
+    def _clients(self) -> Iterable[Closeable | None]:
+        return (self.lister, self._api)
 
     # One step ---------------------------------------------------------------------------------------------------
 
@@ -276,17 +255,15 @@ class Correlator:
             held = self.lister.list()
         except PodResourcesError as exc:
             self.stats.lookup_failures += 1
-            self._lookup_failures += 1
-            delay = min(self.settings.lookup_retry_max_s,
-                        self.settings.lookup_retry_initial_s * 2 ** min(self._lookup_failures - 1, 20))
+            delay = self._lookup.next_delay()
             self._lookup_at = now + delay
             self.stats.last_error = f"PodResources: {exc}"
             # Loud once per outage, then quiet: the back-off already paces the retries.
-            (log.warning if self._lookup_failures == 1 else log.debug)(
+            (log.warning if self._lookup.failures == 1 else log.debug)(
                 "pod correlation: cannot ask the kubelet which pods hold %s: %s; retrying in %.0fs",
                 ", ".join(sorted(self._pending)), exc, delay)
             return
-        self._lookup_failures = 0
+        self._lookup.reset()
         pending, self._pending = self._pending, {}
         for pod in match(held, pending, snap, self.settings.resources):
             self._act(pod, now)
@@ -302,7 +279,7 @@ class Correlator:
         work = self._work.get(key)
         if work is None:
             work = _PodWork(Affected(pod.namespace, pod.pod),
-                            Backoff(self.settings.act_retry_initial_s, self.settings.act_retry_max_s, self._rng))
+                            Backoff(self.settings.act_retry_initial_s, self.settings.act_retry_max_s, rng=self._rng))
             self._work[key] = work
             while len(self._work) > self.settings.max_pending_pods:
                 (ns, name), _ = self._work.popitem(last=False)
@@ -387,8 +364,10 @@ class Correlator:
         if work.evict:
             work.evict = False  # evictions keep their own retry (PodDisruptionBudgets answer 429 for a while)
             if (pod.namespace, pod.pod) not in self._evictions:
+                backoff = Backoff(self.settings.evict_retry_initial_s, self.settings.evict_retry_max_s, jitter=False)
                 self._evictions[(pod.namespace, pod.pod)] = _Eviction(pod.namespace, pod.pod, work.uid or "",
-                                                                      tuple(sorted(pod.transitions)), next_at=now)
+                                                                      tuple(sorted(pod.transitions)), backoff,
+                                                                      next_at=now)
                 self._retry_evictions(snap, now)
         if done:
             work.backoff.reset()
@@ -402,7 +381,6 @@ class Correlator:
                 log.info("pod %s/%s: its devices recovered; eviction no longer needed", ev.namespace, ev.pod)
                 del self._evictions[key]
                 continue
-            ev.attempts += 1
             try:
                 self._api_client().evict_pod(ev.namespace, ev.pod, ev.uid)
             except ApiFailure as f:
@@ -410,10 +388,7 @@ class Correlator:
                     # Gone, or replaced by a new pod of the same name (the UID precondition failed): done.
                     del self._evictions[key]
                     continue
-                delay = min(self.settings.evict_retry_max_s,
-                            self.settings.evict_retry_initial_s * 2 ** min(ev.attempts - 1, 20))
-                if f.retry_after is not None:
-                    delay = max(delay, min(f.retry_after, self.settings.evict_retry_max_s))
+                delay = ev.backoff.next_delay(f.retry_after)
                 ev.next_at = now + delay
                 if f.status == 429:
                     self.stats.evictions_blocked += 1
@@ -447,29 +422,11 @@ class Correlator:
                 r = t.reasons[0]
                 part += f": {r.code}: {r.message} (action: {r.action})"
             parts.append(part)
-        message = "; ".join(parts)
-        if len(message) > MESSAGE_MAX:
-            message = message[:MESSAGE_MAX - 3] + "..."
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self._wall()))
-        involved: dict[str, str] = {"apiVersion": "v1", "kind": "Pod", "namespace": pod.namespace, "name": pod.pod}
-        if uid:
-            involved["uid"] = uid
-        return {
-            "apiVersion": "v1",
-            "kind": "Event",
-            "metadata": {"generateName": f"{pod.pod[:200]}.gpu-health.", "namespace": pod.namespace},
-            "involvedObject": involved,
-            "reason": f"GPU{worst.to_state}",
-            "message": message,
-            "type": "Warning",
-            "source": {"component": COMPONENT, **({"host": self.settings.node_name} if self.settings.node_name
-                                                  else {})},
-            "reportingComponent": COMPONENT,
-            "reportingInstance": self.settings.node_name or COMPONENT,
-            "firstTimestamp": stamp,
-            "lastTimestamp": stamp,
-            "count": 1,
-        }
+        now = self._wall()
+        # A pod name may take all 253 characters an object name has; the generated Event name must fit them too.
+        return event_body(Involved("Pod", pod.pod, pod.namespace, uid), pod.namespace,
+                          reason=f"GPU{worst.to_state}", type_="Warning", message="; ".join(parts), count=1,
+                          first=now, last=now, host=self.settings.node_name, stem=pod.pod[:200])
 
 
 def match(held: Iterable[Holding], bad: Mapping[str, Transition], snap: Snapshot,
@@ -491,16 +448,3 @@ def match(held: Iterable[Holding], bad: Mapping[str, Transition], snap: Snapshot
         pod.containers.setdefault(hit, []).append(h.container)
         pod.transitions[hit] = bad[hit]
     return sorted(pods.values(), key=lambda p: (p.namespace, p.pod))
-
-
-def make_correlator(cfg: Any, state: NodeState, resources: Sequence[Resource]) -> Correlator | None:
-    """The outlet the config asks for, or None when it is off (no states to act on)."""
-    if not cfg.correlate_on:
-        return None
-    settings = CorrelationSettings(
-        states=frozenset(cfg.correlate_on), resources=tuple(resources), node_name=getattr(cfg, "node_name", ""),
-        annotate=cfg.annotate_pods, evict=cfg.remediate == "evict",
-        annotation_prefix=getattr(cfg, "annotation_prefix", "gpu-health.io"))
-    kubeconfig = getattr(cfg, "kubeconfig", None)
-    return Correlator(state, settings, PodResourcesClient(cfg.pod_resources_socket),
-                      lambda: LightkubeApi(kubeconfig))

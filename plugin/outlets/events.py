@@ -16,11 +16,10 @@ from typing import Any
 
 from plugin.health.node_state import ABSENT, Transition
 from plugin.health.reasons import State
-from plugin.outlets.annotations import rfc3339, top_reasons
+from plugin.outlets.annotations import top_reasons
+from plugin.outlets.kubecommon import Involved, event_body, rfc3339, truncate
 
-COMPONENT = "gpu-health-device-plugin"
 BAD_STATES = frozenset({State.DEGRADED.value, State.UNHEALTHY.value, State.UNKNOWN.value})
-MESSAGE_MAX = 1024
 
 # Event reason for a transition, by the state it goes to.
 _INTO = {State.UNHEALTHY.value: "GPUUnhealthy", State.DEGRADED.value: "GPUDegraded",
@@ -55,9 +54,8 @@ def event_for(t: Transition, device: str) -> EventSpec | None:
         msg += f": {top.code}: {top.message} (action: {top.action})"
         if len(reasons) > 1:
             msg += f"; also {', '.join(codes[1:])}"
-    if len(msg) > MESSAGE_MAX:
-        msg = msg[:MESSAGE_MAX - 3] + "..."
-    return EventSpec(t.id, device, reason, kind, codes, msg)
+    # Cut here, not only in the body: a patch of an aggregated Event carries the message too.
+    return EventSpec(t.id, device, reason, kind, codes, truncate(msg))
 
 
 @dataclass
@@ -119,21 +117,9 @@ class EventAggregator:
     def create_body(self, e: Entry, node_uid: str, namespace: str) -> dict[str, Any]:
         """A core/v1 Event about the Node (``kubectl describe node`` lists it). ``count`` starts at what is
         pending: a flap seen several times before the first write is one Event with that count."""
-        return {
-            "apiVersion": "v1",
-            "kind": "Event",
-            "metadata": {"generateName": f"{self.node}.gpu-health.", "namespace": namespace},
-            "involvedObject": {"apiVersion": "v1", "kind": "Node", "name": self.node, "uid": node_uid},
-            "reason": e.spec.reason,
-            "message": e.spec.message,
-            "type": e.spec.type,
-            "count": e.pending,
-            "firstTimestamp": rfc3339(e.pending_first),
-            "lastTimestamp": rfc3339(e.last_time),
-            "source": {"component": COMPONENT, "host": self.node},
-            "reportingComponent": COMPONENT,
-            "reportingInstance": self.node,
-        }
+        return event_body(Involved("Node", self.node, uid=node_uid), namespace, reason=e.spec.reason,
+                          type_=e.spec.type, message=e.spec.message, count=e.pending, first=e.pending_first,
+                          last=e.last_time, host=self.node)
 
     def patch_body(self, e: Entry) -> dict[str, Any]:
         return {"count": e.written + e.pending, "lastTimestamp": rfc3339(e.last_time), "message": e.spec.message}

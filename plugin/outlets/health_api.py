@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -13,7 +12,7 @@ import grpc
 from api.gpuhealth.v1alpha1 import health_pb2, health_pb2_grpc
 from plugin.health.node_state import DeviceStatus, NodeState, Snapshot, Transition
 from plugin.health.reasons import Reason
-from plugin.sockets import bind_unix
+from plugin.sockets import UnixGrpcServer, client_left
 
 log = logging.getLogger(__name__)
 
@@ -55,30 +54,19 @@ class HealthServicer(health_pb2_grpc.DeviceHealthServicer):
 
     def Watch(self, request: health_pb2.WatchRequest,
               context: grpc.ServicerContext) -> Iterator[health_pb2.WatchEvent]:
-        left = threading.Event()
-
-        def on_done() -> None:
-            left.set()
-            self.state.poke()
-
-        context.add_callback(on_done)
-        snap = self.state.snapshot()
+        left = client_left(context, self.state.poke)
+        start = self.state.snapshot()
         seq = request.since_seq
         missed = self.state.transitions_since(seq) if seq > 0 else None
         if missed is None:
             # A fresh client, or one whose resume point fell out of the bounded history: start from a snapshot.
-            yield health_pb2.WatchEvent(snapshot=snapshot_pb(snap, self.outlet_errors()), resync=seq > 0)
-            seq = snap.seq
+            yield health_pb2.WatchEvent(snapshot=snapshot_pb(start, self.outlet_errors()), resync=seq > 0)
+            seq = start.seq
         else:
             for t in missed:
                 yield health_pb2.WatchEvent(transition=transition_pb(t))
                 seq = t.seq
-        version = snap.version
-        while True:
-            snap = self.state.wait_for_change(version, 1.0, abort=lambda: left.is_set() or self.closed.is_set())
-            if left.is_set() or self.closed.is_set() or self.state.closed:
-                return
-            version = snap.version
+        for snap in self.state.follow(start.version, lambda: left.is_set() or self.closed.is_set()):
             news = self.state.transitions_since(seq)
             if news is None:  # this client fell behind the history: hand it a fresh snapshot
                 yield health_pb2.WatchEvent(snapshot=snapshot_pb(snap, self.outlet_errors()), resync=True)
@@ -93,20 +81,17 @@ class HealthServer:
     def __init__(self, socket_path: Path, state: NodeState, max_workers: int = 16) -> None:
         self.path = socket_path
         self.servicer = HealthServicer(state)
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="health"))
-        health_pb2_grpc.add_DeviceHealthServicer_to_server(self.servicer, self._server)
+        # 0660: for the node's admins group, not the world; born so at its final path, umask untouched (bind_unix).
+        self._grpc = UnixGrpcServer(socket_path, 0o660,
+                                    lambda s: health_pb2_grpc.add_DeviceHealthServicer_to_server(self.servicer, s),
+                                    max_workers, "health")
 
     def start(self) -> None:
+        """Raises OSError or RuntimeError (bind), like UnixGrpcServer.start."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        # 0660: for the node's admins group, not the world; born so at its final path, umask untouched (bind_unix).
-        bind_unix(self._server, self.path, 0o660)
-        self._server.start()
+        self._grpc.start()
         log.info("health API serving on %s", self.path)
 
     def stop(self, grace_s: float = 0.5) -> None:
         self.servicer.close()
-        self._server.stop(grace_s).wait(grace_s + 1.0)
-        try:
-            self.path.unlink()
-        except FileNotFoundError:
-            pass
+        self._grpc.stop(grace_s)

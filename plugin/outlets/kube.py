@@ -14,8 +14,7 @@ reads the node state (never holding its lock during I/O) and keeps the API serve
   refused (409) instead of undoing someone else's edit; on 409 it re-reads and recomputes at once;
 - on start it reads the Node and reconciles our keys, and it re-reads every ``resync_s`` to repair manual edits.
 
-Time is passed in (``tick(now)``), so tests and benchmarks drive it on a virtual clock. ``lightkube`` is imported
-only when a real client is built.
+Time is passed in (``tick(now)``), so tests and benchmarks drive it on a virtual clock.
 """
 
 from __future__ import annotations
@@ -25,15 +24,14 @@ import math
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from plugin.config import Config
+from plugin.backoff import Backoff
 from plugin.health.node_state import NodeState, Snapshot, Transition
 from plugin.outlets.annotations import (
     DEFAULT_MAX_BYTES,
-    DEFAULT_PREFIX,
     desired_annotations,
     device_names,
     last_transitions,
@@ -41,7 +39,8 @@ from plugin.outlets.annotations import (
 )
 from plugin.outlets.condition import DesiredCondition, desired_condition, find_condition
 from plugin.outlets.events import Entry, EventAggregator
-from plugin.outlets.kubeapi import ApiFailure, KubeApi, LightkubeApi, NodeView
+from plugin.outlets.kubeapi import ApiFailure, KubeApi, NodeView
+from plugin.outlets.kubecommon import DEFAULT_PREFIX, Closeable, OutletThread
 
 log = logging.getLogger(__name__)
 
@@ -80,28 +79,6 @@ class TokenBucket:
     def refund(self) -> None:
         """Give back a token whose write failed: the back-off, not the bucket, paces retries."""
         self._tokens = min(self.capacity, self._tokens + 1.0)
-
-
-class Backoff:
-    """Exponential back-off with "equal jitter": the n-th delay is uniform in [d/2, d], d = initial * 2^(n-1)
-    capped at ``maximum``, so a fleet that lost its API server at once does not come back in lockstep."""
-
-    def __init__(self, initial_s: float = 1.0, maximum_s: float = 300.0, rng: random.Random | None = None) -> None:
-        self.initial = initial_s
-        self.maximum = maximum_s
-        self.failures = 0
-        self._rng = rng or random.Random()
-
-    def next_delay(self, retry_after: float | None = None) -> float:
-        self.failures += 1
-        d = min(self.maximum, self.initial * 2.0 ** min(self.failures - 1, 30))
-        delay = d / 2 + self._rng.uniform(0, d / 2)
-        if retry_after is not None:
-            delay = max(delay, min(retry_after, self.maximum))
-        return delay
-
-    def reset(self) -> None:
-        self.failures = 0
 
 
 class WriteScheduler:
@@ -188,24 +165,22 @@ class ReporterStatus:
     event_failures: int = 0
 
 
-class KubeReporter:
+class KubeReporter(OutletThread):
     def __init__(self, state: NodeState, settings: ReporterSettings, api_factory: Callable[[], KubeApi],
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
                  rng: random.Random | None = None) -> None:
-        self.state = state
+        super().__init__(state, clock, version=0, thread_name="kube-reporter", label="cluster reporting", log=log)
         self.settings = s = settings
         self._api_factory = api_factory
         self._api: KubeApi | None = None
-        self._clock = clock
         self._wall = wall
         rng = rng or random.Random()
         now = clock()
-        self._node = WriteScheduler(s.debounce_s, s.min_interval_s, Backoff(s.backoff_initial_s, s.backoff_max_s,
-                                                                             rng), now)
-        self._ev_backoff = Backoff(s.backoff_initial_s, s.backoff_max_s, rng)
+        self._node = WriteScheduler(s.debounce_s, s.min_interval_s,
+                                    Backoff(s.backoff_initial_s, s.backoff_max_s, rng=rng), now)
+        self._ev_backoff = Backoff(s.backoff_initial_s, s.backoff_max_s, rng=rng)
         self._ev_blocked_until = -math.inf
         self._events = EventAggregator(s.node_name, s.event_window_s, s.event_min_interval_s)
-        self._version = 0
         self._seq: int | None = None
         self._last: dict[str, Transition] = {}
         self._names: dict[str, str] = {}
@@ -217,8 +192,6 @@ class KubeReporter:
         self._status = ReporterStatus(node=s.node_name)
         self._status_lock = threading.Lock()
         self._logged_error: str | None = None
-        self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
 
     # Status ---------------------------------------------------------------------------------------------------
 
@@ -252,35 +225,8 @@ class KubeReporter:
             self._logged_error = None
         self._update(ok=True)
 
-    # Thread ---------------------------------------------------------------------------------------------------
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="kube-reporter", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float = 2.0) -> None:
-        self._stopping.set()
-        self.state.poke()
-        if self._thread is not None:
-            self._thread.join(timeout)
-        if self._api is not None:
-            try:
-                self._api.close()
-            except Exception:  # closing a broken connection pool must not fail the shutdown
-                pass
-
-    def _run(self) -> None:
-        while not self._stopping.is_set() and not self.state.closed:
-            now = self._clock()
-            try:
-                deadline = self.tick(now)
-            except Exception:
-                # A bug here must not end cluster reporting for the life of the process; the kubelet path is
-                # unaffected either way.
-                log.exception("cluster reporting: unexpected error; retrying in 5s")
-                deadline = now + 5.0
-            wait = max(0.0, min(deadline - self._clock(), 3600.0))
-            self.state.wait_for_change(self._version, wait, abort=self._stopping.is_set)
+    def _clients(self) -> Iterable[Closeable | None]:
+        return (self._api,)
 
     # One step -------------------------------------------------------------------------------------------------
 
@@ -315,6 +261,8 @@ class KubeReporter:
             self._flush_events(now)
             deadlines.append(max(self._events.next_due(), self._ev_blocked_until))
         return min(deadlines)
+
+    step = tick  # what the thread calls: the same step the tests and benchmarks drive by its first name
 
     def _on_snapshot(self, snap: Snapshot, now: float) -> None:
         first = self._seq is None
@@ -446,21 +394,3 @@ class KubeReporter:
                 # The Event expired (the API server keeps them an hour by default): start a new one.
         name = self._api.create_event(ns, self._events.create_body(e, uid, ns))
         self._events.created(e, name, now)
-
-
-def make_reporter(cfg: Config, state: NodeState) -> KubeReporter | None:
-    """The reporter the config asks for, or None: reporting needs a node name and at least one outlet on."""
-    wanted = cfg.annotations or cfg.events or cfg.node_condition
-    if not cfg.node_name:
-        if wanted:
-            log.info("cluster reporting off: no node name (set --node-name or NODE_NAME)")
-        return None
-    if not wanted:
-        return None
-    settings = ReporterSettings(
-        node_name=cfg.node_name, prefix=cfg.annotation_prefix, annotations=cfg.annotations, events=cfg.events,
-        condition=cfg.node_condition, condition_type=cfg.node_condition_type, debounce_s=cfg.report_debounce,
-        min_interval_s=cfg.report_min_interval, resync_s=cfg.report_resync_interval,
-        max_bytes=cfg.annotation_max_bytes, backoff_max_s=cfg.report_backoff_max)
-    kubeconfig = cfg.kubeconfig
-    return KubeReporter(state, settings, lambda: LightkubeApi(kubeconfig))

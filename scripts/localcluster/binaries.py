@@ -1,4 +1,4 @@
-"""The local cluster's Go binaries, built once per version through tests/conformance/_gobuild.py and cached beside
+"""The local cluster's Go binaries, built once per version through scripts/gobuild.py and cached beside
 the conformance peers (~/.cache/gpu-health-device-plugin/<name>-<version>-<hash>/).
 
     kube-apiserver, kubectl, etcd   the API-server peer's own targets (tests/conformance/apiserver/_binaries.py)
@@ -13,33 +13,24 @@ the conformance peers (~/.cache/gpu-health-device-plugin/<name>-<version>-<hash>
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
+if not __package__:  # run as a script (see above): make the repository's packages importable
+    sys.path.insert(0, str(REPO))
+
+from scripts import gobuild  # noqa: E402
+
+# The API-server peer's target table, so the cluster and the conformance tests share one cache entry per binary.
+from tests.conformance.apiserver import _binaries as peer  # noqa: E402
 
 CONTAINERD_VERSION = "v2.4.2"
 RUNC_VERSION = "v1.2.6"
 
-
-def _load(name: str, path: Path) -> ModuleType:
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-peer = _load("_apiserver_binaries", REPO / "tests" / "conformance" / "apiserver" / "_binaries.py")
-gobuild = peer.gobuild
-KUBERNETES_VERSION: str = peer.KUBERNETES_VERSION
+KUBERNETES_VERSION = peer.KUBERNETES_VERSION
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@
     workload   localhost/gpu-health-workload:1    Debian's static busybox in an empty image: a shell for test pods
 
 buildah runs with a storage root of its own under the cache (vfs, chroot isolation), so the host's container
-storage is never touched. Archives are cached beside the Go binaries of tests/conformance/_gobuild.py
+storage is never touched. Archives are cached beside the Go binaries of scripts/gobuild.py
 (<cache>/images/<name>-<hash>/image.oci.tar), keyed by a hash of what goes into them, so a second run only checks
 them. Needs Debian's buildah, mmdebstrap and busybox-static, and Go for the pause binary.
 
@@ -92,7 +92,7 @@ class Image:
 
 if str(REPO) not in sys.path:  # run as a script: python3 scripts/localcluster/images.py
     sys.path.insert(0, str(REPO))
-from scripts.localcluster.binaries import gobuild  # noqa: E402  (one _gobuild for the binaries and the images)
+from scripts import gobuild  # noqa: E402
 
 
 def images_root() -> Path:

@@ -1,7 +1,7 @@
 """The kubelet's own device-manager code as a peer: tests/conformance/kubelet/.
 
 For each pinned Kubernetes release the Go harness is built (cached outside the repository by
-_gobuild) and run twice: against the Python plugin on the simulated backend, and against the
+scripts/gobuild.py) and run twice: against the Python plugin on the simulated backend, and against the
 kubelet's Stub as a control. Every "FAIL" line it prints fails the test.
 
 Without a Go toolchain the tests skip, except with CI=true, where that is a failure.
@@ -9,35 +9,20 @@ Without a Go toolchain the tests skip, except with CI=true, where that is a fail
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+
+from tests.conformance.skips import build_or_skip
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 HARNESS_DIR = HERE / "kubelet"
-
-
-def _load_gobuild() -> ModuleType:
-    name = "gpu_health_gobuild"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, HERE / "_gobuild.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-gobuild = _load_gobuild()
 
 
 @dataclass(frozen=True)
@@ -60,10 +45,7 @@ SUMMARY_RE = re.compile(r"^(\d+) passed, (\d+) failed$")
 
 def build_harness(pin: KubeletPin) -> Path:
     """Build (or reuse) the harness binary for one pinned release; pytest skip/fail semantics."""
-    exe: Path = gobuild.build_or_skip(
-        HARNESS_DIR, ".", "kubelet-peer", version=pin.version, modfile=pin.modfile, tags=pin.tags
-    )
-    return exe
+    return build_or_skip(HARNESS_DIR, ".", "kubelet-peer", version=pin.version, modfile=pin.modfile, tags=pin.tags)
 
 
 def run_harness(exe: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:

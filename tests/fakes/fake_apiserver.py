@@ -1,7 +1,7 @@
 """An HTTP-level fake of the few kube-apiserver endpoints the cluster reporter uses, on loopback.
 
-Real HTTP, so the real client library (lightkube) and our error handling are what is tested; the real API server is
-used by tests/conformance/apiserver/test_annotations*.py. Implemented here:
+Real HTTP, so the real client (plugin/outlets/kubeapi.py) and our error handling are what is tested; the real
+API server is used by tests/conformance/apiserver/test_annotations*.py. Implemented here:
 
 - ``GET/PATCH /api/v1/nodes/{name}``: JSON merge patch; a ``metadata.resourceVersion`` in the patch is a
   precondition (409 when stale), as on the real server;

@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 from plugin.devices.model import Gpu, MigDevice
+from plugin.health.config import DEFAULT_KUBELET_HEALTH
 from plugin.health.node_state import DeviceStatus, NodeState
-from plugin.health.reasons import Reason, State
+from plugin.health.reasons import SPECS, Reason, Source, State
 
-REASONS = {
-    "xid-79": (State.UNHEALTHY, "reboot-node", "XID 79: GPU has fallen off the bus"),
-    "ecc-uncorrected": (State.UNHEALTHY, "reset-gpu", "2 volatile uncorrected ECC errors"),
-    "thermal-slowdown": (State.DEGRADED, "none", "temperature 90C at or above slowdown threshold 87C"),
-    "nvml-error": (State.UNKNOWN, "contact-support", "NVML calls failed for 3 consecutive polls"),
+# The codes tests set, with a message each; severity and action come from REASONS.
+MESSAGES = {
+    "xid-79": "XID 79: GPU has fallen off the bus",
+    "ecc-uncorrected": "2 volatile uncorrected ECC errors",
+    "thermal-slowdown": "temperature 90C at or above slowdown threshold 87C",
+    "nvml-error": "NVML calls failed for 3 consecutive polls",
 }
+
+
+def reason(code: str, first_seen: float) -> Reason:
+    spec = SPECS[code]
+    return Reason(code, spec.severity, MESSAGES[code], Source.POLL, spec.action, first_seen)
 
 
 def gpu(index: int, migs: int = 0) -> Gpu:
@@ -23,9 +30,8 @@ def gpu(index: int, migs: int = 0) -> Gpu:
 
 def status(g: Gpu, state: State = State.HEALTHY, *codes: str, since: float = 1_767_225_600.0,
            mig: MigDevice | None = None) -> DeviceStatus:
-    reasons = tuple(Reason(c, REASONS[c][0], REASONS[c][2], "poll", REASONS[c][1], since) for c in codes)
-    kubelet = "Healthy" if state in (State.HEALTHY, State.DEGRADED) else "Unhealthy"
-    return DeviceStatus(mig.uuid if mig else g.uuid, g, state, reasons, since, kubelet, mig)
+    reasons = tuple(reason(c, since) for c in codes)
+    return DeviceStatus(mig.uuid if mig else g.uuid, g, state, reasons, since, DEFAULT_KUBELET_HEALTH[state], mig)
 
 
 class Node:

@@ -28,12 +28,10 @@ from plugin.outlets.correlation import (
     CorrelationSettings,
     Correlator,
     Holding,
-    PodApi,
     PodResourcesClient,
     PodResourcesError,
-    PodView,
 )
-from plugin.outlets.kubeapi import ApiFailure
+from plugin.outlets.kubeapi import ApiFailure, PodApi, PodView
 from tests.conftest import NodeFile
 from tests.fakes.podresources import PodResourcesServer
 from tests.integration.conftest import make_config

@@ -9,14 +9,16 @@ import time
 
 import pytest
 
+from plugin.backoff import Backoff
 from plugin.config import ConfigError, load
 from plugin.health.node_state import ABSENT, NodeState, Transition
 from plugin.health.reasons import Reason, State
 from plugin.outlets import annotations as ann
-from plugin.outlets.condition import check_condition_type, desired_condition
+from plugin.outlets.condition import desired_condition
 from plugin.outlets.events import EventAggregator, event_for
-from plugin.outlets.kube import Backoff, TokenBucket, WriteScheduler
-from tests.fakes.node_devices import REASONS, Node, gpu, status
+from plugin.outlets.kube import TokenBucket, WriteScheduler
+from plugin.validation import check_condition_type, check_prefix
+from tests.fakes.node_devices import MESSAGES, Node, gpu, reason, status
 
 P = "gpu-health.io"
 T0 = 1_767_225_600.0  # 2026-01-01T00:00:00Z
@@ -56,7 +58,7 @@ def test_device_value_has_state_reasons_action_since_and_last_transition() -> No
     v = json.loads(ann.device_value(dev, last))
     assert v["state"] == "Unhealthy" and v["action"] == "reboot-node"  # from the worst reason, not the first
     assert [r["code"] for r in v["reasons"]] == ["xid-79", "thermal-slowdown"]
-    assert v["reasons"][0]["message"] == REASONS["xid-79"][2] and v["reasons"][0]["action"] == "reboot-node"
+    assert v["reasons"][0]["message"] == MESSAGES["xid-79"] and v["reasons"][0]["action"] == "reboot-node"
     assert v["since"] == "2026-01-01T00:01:00Z" and v["lastTransition"] == "2026-01-01T00:01:01Z"
     assert v["from"] == "Healthy"
     first = ann.device_value(dev, last)
@@ -141,7 +143,7 @@ def test_parse_node_reads_back_what_we_write_and_skips_garbage() -> None:
 @pytest.mark.parametrize("bad", ["", "Gpu-Health.io", "-x.io", "a..b", "kubernetes.io", "node.k8s.io", "x" * 254])
 def test_prefix_validation(bad: str) -> None:
     with pytest.raises(ValueError):
-        ann.check_prefix(bad)
+        check_prefix(bad)
 
 
 def test_config_options_validate_and_node_name_comes_from_node_name_env() -> None:
@@ -196,7 +198,7 @@ def test_condition_type_validation(bad: str) -> None:
 # Events ---------------------------------------------------------------------------------------------------------
 
 def _t(seq: int, frm: str, to: str, *codes: str, t: float = T0) -> Transition:
-    reasons = tuple(Reason(c, REASONS[c][0], REASONS[c][2], "poll", REASONS[c][1], t) for c in codes)
+    reasons = tuple(reason(c, t) for c in codes)
     return Transition(seq, "GPU-a", frm, to, reasons, t)
 
 
@@ -205,7 +207,7 @@ def test_events_only_for_transitions_into_or_out_of_bad_states() -> None:
     assert event_for(_t(1, "Healthy", ABSENT), "gpu.0") is None
     into = event_for(_t(1, "Healthy", "Unhealthy", "xid-79"), "gpu.0")
     assert into is not None and (into.reason, into.type, into.codes) == ("GPUUnhealthy", "Warning", ("xid-79",))
-    assert into.message == f"gpu.0 (GPU-a): Healthy -> Unhealthy: xid-79: {REASONS['xid-79'][2]} (action: reboot-node)"
+    assert into.message == f"gpu.0 (GPU-a): Healthy -> Unhealthy: xid-79: {MESSAGES['xid-79']} (action: reboot-node)"
     out = event_for(_t(2, "Degraded", "Healthy"), "gpu.0")
     assert out is not None and (out.reason, out.type) == ("GPURecovered", "Normal")
     gone = event_for(_t(3, "Unhealthy", ABSENT), "gpu.0")
@@ -245,7 +247,7 @@ def test_token_bucket_allows_one_per_interval() -> None:
 
 
 def test_backoff_grows_with_jitter_and_honours_retry_after() -> None:
-    b = Backoff(1.0, 60.0, random.Random(7))
+    b = Backoff(1.0, 60.0, rng=random.Random(7))
     delays = [b.next_delay() for _ in range(10)]
     for n, d in enumerate(delays):
         cap = min(60.0, 2.0 ** n)
@@ -256,7 +258,7 @@ def test_backoff_grows_with_jitter_and_honours_retry_after() -> None:
 
 
 def test_write_scheduler_debounces_from_the_first_change() -> None:
-    s = WriteScheduler(1.0, 10.0, Backoff(rng=random.Random(1)), now=0.0)
+    s = WriteScheduler(1.0, 10.0, Backoff(1.0, 300.0, rng=random.Random(1)), now=0.0)
     assert s.due_at(0.0) == float("inf")
     s.changed(0.2)
     s.changed(0.9)  # the window started at the first change

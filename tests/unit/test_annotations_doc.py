@@ -20,9 +20,10 @@ from plugin.devices.simulated import builtin_node
 from plugin.health.config import DEFAULT_KUBELET_HEALTH, HealthConfig
 from plugin.health.node_state import DeviceStatus, NodeState, Snapshot
 from plugin.health.tracker import DeviceTracker
-from plugin.outlets.annotations import DEFAULT_PREFIX, desired_annotations, last_transitions
+from plugin.outlets.annotations import desired_annotations, last_transitions
 from plugin.outlets.condition import desired_condition
 from plugin.outlets.events import event_for
+from plugin.outlets.kubecommon import DEFAULT_PREFIX
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "annotations.md").read_text()
 T0 = 1_767_225_600.0  # 2026-01-01T00:00:00Z
@@ -37,7 +38,7 @@ def _gpus() -> list[Gpu]:
 def _statuses(trackers: dict[str, DeviceTracker], gpus: list[Gpu], now: float) -> list[DeviceStatus]:
     out = []
     for g in gpus:
-        state, reasons = trackers[g.uuid].verdict(now)
+        state, reasons = trackers[g.uuid].update(now)
         out.append(DeviceStatus(g.uuid, g, state, reasons, trackers[g.uuid].since, DEFAULT_KUBELET_HEALTH[state]))
     return out
 

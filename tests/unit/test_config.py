@@ -104,9 +104,9 @@ PATH_OPTIONS = ("simulated_node", "device_plugin_dir", "state_dir", "health_sock
 @pytest.mark.parametrize("name", PATH_OPTIONS)
 def test_relative_paths_are_taken_against_the_working_directory(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, name: str) -> None:
-    from plugin.config import BY_NAME
+    from plugin.config import option
 
-    o = BY_NAME[name]
+    o = option(name)
     monkeypatch.chdir(tmp_path)
     flags: dict[str, object] = {"backend": "simulated"}
     env: dict[str, str] = {}
@@ -179,3 +179,19 @@ def test_cli_exits_2_on_bad_node_file(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "plugin", "run", "--backend", "simulated", "--simulated-node",
                         str(node), "--state-dir", str(tmp_path / "s")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "gpus[0] (GPU-1).index: missing" in r.stderr
+
+
+@pytest.mark.parametrize(("name", "text", "yaml_loaded"), [
+    (None, "", False),
+    ("config.json", '{"version": "v1", "plugin": {"pollInterval": 7}}', False),
+    ("config.yaml", "version: v1\nplugin:\n  pollInterval: 7\n", True),
+])
+def test_the_yaml_parser_is_imported_only_to_read_a_yaml_file(tmp_path: Path, name: str | None, text: str,
+                                                              yaml_loaded: bool) -> None:
+    file = [str(write(tmp_path, text, name))] if name else []
+    probe = ("import sys; from pathlib import Path; from plugin.config import load; "
+             "load({}, {}, Path(sys.argv[1]) if sys.argv[1:] else None); print('yaml' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", probe, *file], capture_output=True, text=True, timeout=60,
+                       cwd=Path(__file__).resolve().parents[2])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(yaml_loaded)

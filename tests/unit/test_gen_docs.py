@@ -2,31 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 from plugin import config as config_mod
 from plugin.health.reasons import REASONS
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _gen_docs() -> ModuleType:
-    name = "gpu_health_gen_docs"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / "gen_docs.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-gen_docs = _gen_docs()
+from scripts import gen_docs
 
 
 def test_generated_docs_are_current(capsys: pytest.CaptureFixture[str]) -> None:

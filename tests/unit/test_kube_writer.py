@@ -1,4 +1,4 @@
-"""The cluster reporter against an HTTP-level fake API server on loopback, through the real lightkube client.
+"""The cluster reporter against an HTTP-level fake API server on loopback, through the real client.
 
 Time is virtual: the tests call ``tick(now)`` themselves (the reporter's thread does the same with the real clock),
 so debounce, the token bucket, back-off and resync are checked without sleeping. The last tests run the real thread.
@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from plugin.app import make_reporter
 from plugin.config import load
 from plugin.health.node_state import NodeState
 from plugin.health.reasons import State
-from plugin.outlets.kube import KubeReporter, ReporterSettings, make_reporter
-from plugin.outlets.kubeapi import ApiFailure, LightkubeApi
+from plugin.outlets.kube import KubeReporter, ReporterSettings
+from plugin.outlets.kubeapi import ApiFailure, KubeClient
 from tests.conftest import FakeClock
 from tests.fakes.fake_apiserver import FakeApiServer
 from tests.fakes.node_devices import Node
@@ -45,7 +46,7 @@ class Harness:
         self.node = Node(self.state, n=8)
         kubeconfig = api.kubeconfig(tmp_path)
         self.rep = KubeReporter(self.state, ReporterSettings(node_name=NODE, **settings),  # type: ignore[arg-type]
-                                lambda: LightkubeApi(kubeconfig), clock=self.clock,
+                                lambda: KubeClient(kubeconfig), clock=self.clock,
                                 wall=lambda: T0 + self.clock.now, rng=random.Random(3))
 
     def at(self, t: float) -> None:
@@ -199,7 +200,7 @@ def test_unreachable_api_server_is_api_trouble_too(tmp_path: Path) -> None:
     state = NodeState()
     Node(state).publish(T0)
     clock = FakeClock(0.0)
-    rep = KubeReporter(state, ReporterSettings(node_name=NODE), lambda: LightkubeApi(kubeconfig), clock=clock)
+    rep = KubeReporter(state, ReporterSettings(node_name=NODE), lambda: KubeClient(kubeconfig), clock=clock)
     deadline = rep.tick(0.0)
     s = rep.status()
     assert not s.ok and s.failures == 1 and "Connect" in (s.last_error or ""), s.last_error
@@ -213,7 +214,7 @@ def test_missing_node_and_missing_config_are_named(api: FakeApiServer, tmp_path:
     h.at(1000.0)
     assert "node no-such-node does not exist" in (h.rep.status().last_error or "")
     with pytest.raises(ApiFailure, match=r"kubeconfig .*nope"):
-        LightkubeApi(tmp_path / "nope")
+        KubeClient(tmp_path / "nope")
 
 
 def test_events_are_posted_on_the_node_and_aggregated(api: FakeApiServer, tmp_path: Path) -> None:
@@ -282,7 +283,7 @@ def test_reporter_thread_converges_without_touching_the_kubelet_path(api: FakeAp
     kubeconfig = api.kubeconfig(tmp_path)
     rep = KubeReporter(state, ReporterSettings(node_name=NODE, debounce_s=0.05, min_interval_s=0.05,
                                                backoff_initial_s=0.05, backoff_max_s=0.2),
-                       lambda: LightkubeApi(kubeconfig))
+                       lambda: KubeClient(kubeconfig))
     api.fail(503, count=3)
     rep.start()
     try:

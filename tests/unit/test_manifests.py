@@ -10,11 +10,9 @@ tests/conformance/apiserver/test_manifests_server.py applies the same renders to
 from __future__ import annotations
 
 import copy
-import importlib.util
 import re
 import shutil
 import subprocess
-import sys
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +24,8 @@ import yaml
 
 from plugin import cli
 from plugin import config as config_mod
+from tests.conformance.apiserver import _binaries as binaries
+from tests.conformance.skips import build_or_skip
 
 REPO = Path(__file__).resolve().parents[2]
 MANIFESTS = REPO / "manifests"
@@ -46,26 +46,11 @@ VAP = "gpu-health-device-plugin-own-node-only"
 ANNOTATIONS_OFF_ARGS = ["--annotations=false", "--events=false", "--correlate-on=none"]
 
 
-def _load_binaries() -> Any:
-    name = "gpu_health_apiserver_binaries"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            name, REPO / "tests" / "conformance" / "apiserver" / "_binaries.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
 @pytest.fixture(scope="module")
 def kubectl() -> Path:
     """kubectl v1.37.2 (kustomize built in), from the conformance build cache; skipped without Go unless CI."""
-    binaries = _load_binaries()
     t = binaries.KUBECTL
-    path: Path = binaries.gobuild.build_or_skip(t.module, t.package, t.name, {"CGO_ENABLED": "0"},
-                                                version=t.version, ldflags=t.ldflags)
-    return path
+    return build_or_skip(t.module, t.package, t.name, {"CGO_ENABLED": "0"}, version=t.version, ldflags=t.ldflags)
 
 
 def render(kubectl: Path, directory: Path) -> list[dict[str, Any]]:

@@ -8,12 +8,13 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from plugin.app import App
+from plugin.config import Config
 from plugin.devices.model import GpuEvent
 from plugin.devices.nvml import NvmlBackend
 from plugin.devices.simulated import SimulatedBackend
@@ -24,6 +25,8 @@ from plugin.health.reasons import Reason, State
 from plugin.kubelet.allocation import AllocationConfig
 from plugin.kubelet.resources import WholeGpus
 from plugin.kubelet.supervisor import Supervisor
+from plugin.outlets.correlation import CorrelationStats
+from plugin.outlets.kube import ReporterStatus
 from plugin.outlets.metrics import Sources, build_registry, label_code
 from tests.conftest import FakeClock, NodeFile
 from tests.fakes.fake_pynvml import eight_gpu_node
@@ -190,16 +193,14 @@ def test_registration_and_streams_come_from_the_supervisor(node: Node, tmp_path:
     assert value(s, "gpu_health_last_registration_timestamp_seconds") == 1234.5
 
 
-def test_annotation_and_correlation_status_are_read_by_duck_typing(node: Node) -> None:
-    status: dict[str, object] = {}
-    reg = build_registry(Sources(node.state, annotations=lambda: status.get("ann"),
-                                 correlation=lambda: status.get("corr")), process=False)
-    s = scrape(reg)
+def test_annotation_and_correlation_status_come_from_their_outlets(node: Node) -> None:
+    s = scrape(build_registry(Sources(node.state), process=False))
     assert value(s, "gpu_health_annotation_writes_total") is None  # the outlet is off: no series at all
     # ``failures`` is every kind together; only the failed writes are annotation write failures.
-    status["ann"] = SimpleNamespace(writes=7, failures=9, write_failures=2, read_failures=3, event_failures=4,
-                                    events_written=5, last_error="boom")
-    status["corr"] = SimpleNamespace(events_posted=3, evictions_evicted=1, evictions_blocked=2)
+    ann = ReporterStatus(node="n", writes=7, failures=9, write_failures=2, read_failures=3, event_failures=4,
+                         events_written=5, last_error="boom")
+    corr = CorrelationStats(events_posted=3, evictions_evicted=1, evictions_blocked=2)
+    reg = build_registry(Sources(node.state, annotations=lambda: ann, correlation=lambda: corr), process=False)
     s = scrape(reg)
     assert value(s, "gpu_health_annotation_writes_total") == 7
     assert value(s, "gpu_health_annotation_write_failures_total") == 2
@@ -211,6 +212,36 @@ def test_annotation_and_correlation_status_are_read_by_duck_typing(node: Node) -
     assert value(s, "gpu_health_pod_evictions_total", result="evicted") == 1
     assert value(s, "gpu_health_pod_evictions_total", result="blocked") == 2
     assert value(s, "gpu_health_pod_evictions_total", result="failed") == 0
+
+
+def test_the_app_gives_a_collector_to_each_part_that_is_on(tmp_path: Path) -> None:
+    def app_with(backend: NvmlBackend | SimulatedBackend) -> App:
+        # No node name: the cluster reporter is off; the correlator is on by default (--correlate-on Unhealthy).
+        cfg = Config(backend="simulated", device_plugin_dir=tmp_path / "dp", state_dir=tmp_path / "state",
+                     dev_root=tmp_path, metrics_address="127.0.0.1:0")
+        app = App(cfg, backend)
+        assert app.kube_reporter is None and app.correlator is not None and app.metrics_server is not None
+        return app
+
+    nv = eight_gpu_node()
+    nvml = NvmlBackend(nv)
+    app = app_with(nvml)
+    nv.fail[("nvmlDeviceGetTemperature", "GPU-fake-1")] = "unknown"
+    app.monitor.poll_once()
+    assert app.metrics_server is not None
+    s = scrape(app.metrics_server.registry)
+    assert value(s, "gpu_health_nvml_call_errors_total") == nvml.call_errors >= 1
+    assert value(s, "gpu_health_devices") == 8 and value(s, "gpu_health_registered") == 0
+    assert value(s, "gpu_health_poll_duration_seconds_count") == app.monitor.polls == 1
+    assert value(s, "gpu_health_pod_resources_lookups_total") == 0
+    assert value(s, "gpu_health_annotation_writes_total") is None and value(s, "gpu_health_node_reads_total") is None
+    app.backend.close()
+
+    app = app_with(SimulatedBackend(None))
+    app.monitor.poll_once()
+    assert app.metrics_server is not None
+    assert value(scrape(app.metrics_server.registry), "gpu_health_nvml_call_errors_total") == 0
+    app.backend.close()
 
 
 def test_label_values_never_carry_free_text() -> None:

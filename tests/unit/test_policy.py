@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
+import json
 import re
+from dataclasses import replace
 
 import pytest
 
-from plugin.devices.model import GpuEvent, Reading
+from plugin.devices.model import EventKind, GpuEvent, Reading
 from plugin.health.config import APPLICATION_XIDS, DEGRADED_XIDS, FATAL_XIDS, HealthConfig
-from plugin.health.policy import classify_event, evaluate_reading, xid_class
-from plugin.health.reasons import ACTIONS, REASONS, Condition, ReasonSpec, State
+from plugin.health.policy import Disposition, classify_event, evaluate_reading, xid_class
+from plugin.health.reasons import (
+    ACTIONS,
+    REASONS,
+    SPECS,
+    XID_SPECS,
+    Action,
+    Condition,
+    Reason,
+    ReasonSpec,
+    Source,
+    State,
+)
+from plugin.health.tracker import DeviceTracker
 
 CFG = HealthConfig()
 T = 1000.0
@@ -172,7 +186,7 @@ def test_every_policy_code_is_in_reasons_and_every_reason_row_is_reachable() -> 
     emitted = {c.code for _, c in EMITTED}
     assert set(KNOWN_MISMATCH) <= emitted  # else the entry is stale: drop it
     reached = {_spec(c) for _, c in EMITTED if c.code not in KNOWN_MISMATCH}
-    # nvml-error and flapping come from the tracker (tests/unit/test_tracker.py), not from the policy.
+    # nvml-error and flapping come from the tracker (test_every_tracker_code_has_a_reasons_row), not the policy.
     unreached = {s.code for s in REASONS if s not in reached} - {"nvml-error", "flapping"}
     assert not unreached, f"REASONS rows no policy scenario produces: {sorted(unreached)}"
 
@@ -187,3 +201,105 @@ def test_emitted_severity_action_and_source_match_reasons(scenario: str, conditi
         f"REASONS (docs/reasons.md) says {spec.severity.value}/{spec.action}")
     assert condition.source in spec.source.split("/")
     assert spec.action in ACTIONS
+
+
+# REASONS is the only source of a code's severity and action -----------------------------------------------------
+
+def _tracker_emitted() -> list[tuple[str, Reason]]:
+    """The reasons only the tracker makes (nvml-error, flapping), each from the scenario that makes it."""
+    out: list[tuple[str, Reason]] = []
+    t = DeviceTracker("g", HealthConfig(nvml_error_polls=2))
+    for now in (1.0, 2.0):
+        t.observe_reading(Reading(time=now, errors=(("temperature", "NVML_ERROR_UNKNOWN"),)))
+    out += [("nvml errors", r) for r in t.update(2.0).reasons]
+    t = DeviceTracker("g", HealthConfig(clear_after_polls=1, flap_max=1, flap_window_s=600, flap_backoff_s=300))
+    for now, down in ((1.0, (0,)), (2.0, ()), (3.0, (0,)), (4.0, ())):
+        t.observe_reading(Reading(time=now, **{**BASE, "nvlink_down": down}))  # type: ignore[arg-type]
+        verdict = t.update(now)
+    out += [("flapping link", r) for r in verdict.reasons]
+    return out
+
+
+def test_every_tracker_code_has_a_reasons_row() -> None:
+    emitted = {r.code for _, r in _tracker_emitted()}
+    assert emitted == {"nvml-error", "flapping"}
+    for code in emitted:
+        assert (SPECS[code].action, SPECS[code].source) == (Action.CONTACT_SUPPORT, Source.POLL)
+
+
+def test_the_index_holds_every_row_once() -> None:
+    assert sorted(map(repr, [*SPECS.values(), *XID_SPECS.values()])) == sorted(map(repr, REASONS))
+
+
+def _shifted(spec: ReasonSpec) -> ReasonSpec:
+    """The row with another severity (never Healthy) and another action than it has."""
+    states = [State.DEGRADED, State.UNKNOWN, State.UNHEALTHY]
+    severity = states[(states.index(spec.severity) + 1) % len(states)] if spec.severity in states else states[0]
+    return replace(spec, severity=severity, action=ACTIONS[(ACTIONS.index(spec.action) + 1) % len(ACTIONS)])
+
+
+def test_severity_and_action_are_read_from_reasons_not_written_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Change every row: a severity or action written again in the policy or the tracker keeps its old value here.
+    for index in (SPECS, XID_SPECS):
+        for key, spec in index.items():
+            monkeypatch.setitem(index, key, _shifted(spec))
+    for scenario, c in _emitted():
+        want = _shifted(_spec(c))
+        severity = CFG.unknown_xid_state if want.xid_class == "unknown" else want.severity
+        assert (c.severity, c.action) == (severity, want.action), f"{scenario}: {c}"
+    tracked = _tracker_emitted()
+    assert {r.code for _, r in tracked} == {"nvml-error", "flapping"}
+    for scenario, r in tracked:
+        want = _shifted(next(s for s in REASONS if s.code == r.code))  # the row as written, not as patched
+        assert r.action == want.action, f"{scenario}: {r}"
+        if r.code == "nvml-error":  # flapping holds the worst recent state instead: its row documents the default
+            assert r.severity == want.severity, f"{scenario}: {r}"
+
+
+def test_overrides_still_apply_after_the_row() -> None:
+    cfg = HealthConfig(overrides={"xid-79": "Degraded", "gpu-unavailable": "ignore"})
+    d, c = classify_event(GpuEvent("GPU-x", EventKind.XID, 79, T), cfg)
+    assert d is Disposition.LATCH and c is not None
+    assert (c.severity, c.action) == (State.DEGRADED, SPECS["xid-79"].action)
+    assert classify_event(GpuEvent("GPU-x", EventKind.GPU_UNAVAILABLE, 0, T), cfg) == (Disposition.IGNORE, None)
+
+
+def test_an_xid_moved_out_of_its_rows_class_gets_its_new_class_row() -> None:
+    cfg = HealthConfig(fatal_xids=FATAL_XIDS - {79}, degraded_xids=DEGRADED_XIDS | {79})
+    _, c = classify_event(GpuEvent("GPU-x", EventKind.XID, 79, T), cfg)
+    assert c is not None and (c.severity, c.action) == (XID_SPECS["degraded"].severity, XID_SPECS["degraded"].action)
+
+
+def test_unknown_xid_state_sets_the_unknown_class_severity() -> None:
+    _, c = classify_event(GpuEvent("GPU-x", EventKind.XID, 999, T), HealthConfig(unknown_xid_state=State.UNHEALTHY))
+    assert c is not None and (c.severity, c.action) == (State.UNHEALTHY, XID_SPECS["unknown"].action)
+
+
+def test_values_read_back_are_the_enum_members() -> None:
+    r = Reason("xid-79", State.UNHEALTHY, "m", Source.EVENT, Action.REBOOT_NODE, 1.0)
+    back = Reason.from_dict(json.loads(json.dumps(r.to_dict())))
+    assert back == r and back.source is Source.EVENT and back.action is Action.REBOOT_NODE
+    assert json.dumps(r.to_dict()) == ('{"code": "xid-79", "severity": "Unhealthy", "message": "m", "source": "event", '
+                                       '"action": "reboot-node", "first_seen": 1.0}')
+
+
+@pytest.mark.parametrize(("rule", "expected"), [
+    ({"xid-13": "ignore"}, None),
+    ({"xid-13-repeated": "ignore"}, None),
+    ({"xid-13": "Unhealthy"}, State.UNHEALTHY),
+    ({"xid-13-repeated": "Unhealthy"}, State.UNHEALTHY),
+    ({}, State.DEGRADED),
+])
+def test_overrides_reach_repeated_application_xids(rule: dict[str, str], expected: State | None) -> None:
+    """docs/config.md: a rule for xid-13 also covers xid-13-repeated. The repeat counter once bypassed overrides,
+    so neither an ignore nor a changed state had any effect on application XIDs."""
+    cfg = replace(CFG, overrides=rule)
+    tracker = DeviceTracker("g", cfg)
+    for i in range(cfg.app_xid_repeat_threshold):
+        tracker.observe_event(GpuEvent("g", EventKind.XID, 13, T + i))
+    state, reasons = tracker.update(T + 10)
+    codes = {r.code: r.severity for r in reasons}
+    if expected is None:
+        assert "xid-13-repeated" not in codes and state is State.HEALTHY
+    else:
+        assert codes["xid-13-repeated"] is expected and state is expected

@@ -1,6 +1,6 @@
 """Each kind of failed API request of the cluster reporter has its own counter and metric: a failed Node read or a
 failed Event is not counted as a failed annotation write (the alert on annotation writes would fire for the wrong
-cause, and an Event outage would hide among them). Real reporter, real lightkube client, HTTP-level fake API."""
+cause, and an Event outage would hide among them). Real reporter, real client, HTTP-level fake API."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from plugin.health.node_state import NodeState
 from plugin.health.reasons import State
 from plugin.outlets.kube import KubeReporter, ReporterSettings
-from plugin.outlets.kubeapi import LightkubeApi
+from plugin.outlets.kubeapi import KubeClient
 from plugin.outlets.metrics import Sources, build_registry
 from tests.conftest import FakeClock
 from tests.fakes.fake_apiserver import FakeApiServer, Request
@@ -47,10 +47,10 @@ def test_reads_writes_events_and_client_failures_are_counted_apart(tmp_path: Pat
         clock = FakeClock(1000.0)
         builds = {"n": 0}
 
-        def factory() -> LightkubeApi:
+        def factory() -> KubeClient:
             builds["n"] += 1
             # The first build fails as a bad kubeconfig would; the client is built again after the back-off.
-            return LightkubeApi(tmp_path / "missing" if builds["n"] == 1 else kubeconfig)
+            return KubeClient(tmp_path / "missing" if builds["n"] == 1 else kubeconfig)
 
         rep = KubeReporter(state, ReporterSettings(node_name=NODE), factory, clock=clock,
                            wall=lambda: T0 + clock.now, rng=random.Random(5))

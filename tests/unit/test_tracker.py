@@ -12,7 +12,7 @@ OK = dict(temperature_c=40, temperature_slowdown_c=87, temperature_shutdown_c=92
 
 def poll(t: DeviceTracker, now: float, **signals: object) -> State:
     t.observe_reading(Reading(time=now, **{**OK, **signals}))  # type: ignore[arg-type]
-    return t.verdict(now)[0]
+    return t.update(now)[0]
 
 
 def test_polled_condition_clears_after_n_clean_polls() -> None:
@@ -30,7 +30,7 @@ def test_reappearing_condition_restarts_the_clean_count_and_keeps_first_seen() -
     poll(t, 5)
     poll(t, 10, nvlink_down=(1,))
     assert poll(t, 15) == State.UNHEALTHY
-    _state, reasons = t.verdict(15)
+    _state, reasons = t.update(15)
     assert reasons[0].code == "nvlink-down" and reasons[0].first_seen == 0
     assert poll(t, 20) == State.HEALTHY
 
@@ -53,19 +53,19 @@ def test_fatal_xid_is_latched_until_reset_seen() -> None:
 def test_degraded_xid_latch_expires_after_hold_time() -> None:
     t = DeviceTracker("g", HealthConfig(latch_hold_s={State.DEGRADED: 100.0, State.UNHEALTHY: None}))
     t.observe_event(GpuEvent("g", "xid", 63, 0))
-    assert t.verdict(50)[0] == State.DEGRADED
+    assert t.update(50)[0] == State.DEGRADED
     t.observe_event(GpuEvent("g", "xid", 63, 80))  # a new event restarts the hold
-    assert t.verdict(150)[0] == State.DEGRADED
-    assert t.verdict(180)[0] == State.HEALTHY
+    assert t.update(150)[0] == State.DEGRADED
+    assert t.update(180)[0] == State.HEALTHY
 
 
 def test_application_xid_escalates_only_when_repeated_in_window() -> None:
     t = DeviceTracker("g", HealthConfig(app_xid_repeat_threshold=3, app_xid_window_s=3600))
     for now in (0, 2000, 4000):  # three, but never three within one hour
         t.observe_event(GpuEvent("g", "xid", 13, now))
-        assert t.verdict(now)[0] == State.HEALTHY
+        assert t.update(now)[0] == State.HEALTHY
     t.observe_event(GpuEvent("g", "xid", 13, 4500))
-    state, reasons = t.verdict(4500)
+    state, reasons = t.update(4500)
     assert state == State.DEGRADED and reasons[0].code == "xid-13-repeated"
 
 
@@ -78,7 +78,7 @@ def test_nvml_errors_make_unknown_after_consecutive_failures_only() -> None:
     for i in range(3):
         state = poll(t, 3 + i, errors=err)
     assert state == State.UNKNOWN
-    assert t.verdict(5)[1][0].code == "nvml-error"
+    assert t.update(5)[1][0].code == "nvml-error"
     assert poll(t, 6) == State.HEALTHY
 
 
@@ -93,9 +93,9 @@ def test_lost_gpu_answering_again_clears_latches() -> None:
     t = DeviceTracker("g", HealthConfig())
     t.observe_event(GpuEvent("g", "xid", 79, 0))
     t.observe_reading(Reading(time=1, lost=True))
-    assert t.verdict(1)[0] == State.UNHEALTHY
+    assert t.update(1)[0] == State.UNHEALTHY
     assert t.observe_reading(Reading(time=2, **OK)) is True  # type: ignore[arg-type]
-    assert t.verdict(2)[0] == State.HEALTHY
+    assert t.update(2)[0] == State.HEALTHY
 
 
 def test_flapping_device_holds_its_worst_state_for_the_backoff() -> None:
@@ -110,7 +110,7 @@ def test_flapping_device_holds_its_worst_state_for_the_backoff() -> None:
     now += 10
     # A fourth change within the window would exceed flap_max: it stays Unhealthy though the link is back.
     assert poll(t, now) == State.UNHEALTHY
-    state, reasons = t.verdict(now)
+    state, reasons = t.update(now)
     assert state == State.UNHEALTHY
     assert [r.code for r in reasons] == ["flapping"]
     # After the back-off, with the cause gone, it recovers.
@@ -122,11 +122,11 @@ def test_persisted_tracker_keeps_latches_across_restart() -> None:
     cfg = HealthConfig()
     t = DeviceTracker("g", cfg)
     t.observe_event(GpuEvent("g", "xid", 48, 10))
-    t.verdict(10)
+    t.update(10)
     saved = t.to_dict()
     t2 = DeviceTracker("g", cfg)
     t2.load(saved)
     t2.observe_reading(Reading(time=20, **OK))  # type: ignore[arg-type]
-    state, reasons = t2.verdict(20)
+    state, reasons = t2.update(20)
     assert state == State.UNHEALTHY and reasons[0].code == "xid-48" and reasons[0].first_seen == 10
     assert t2.since == 10  # restored, not reset by the restart

@@ -1,4 +1,4 @@
-"""The Go binaries of the API-server peer, built (or reused from the cache) through ../_gobuild.py.
+"""The Go binaries of the API-server peer, built (or reused from the cache) through scripts/gobuild.py.
 
     etcd            go/etcd     etcd's own server entry point, go.etcd.io/etcd/server/v3 (ETCD_VERSION)
     kube-apiserver  go/kube     k8s.io/kubernetes/cmd/kube-apiserver (KUBERNETES_VERSION)
@@ -12,13 +12,16 @@ Pre-build everything (for example in a CI cache step):
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+if not __package__:  # run as a script (see above): make the repository's packages importable
+    sys.path.insert(0, str(HERE.parents[2]))
+
+from scripts import gobuild  # noqa: E402
 
 KUBERNETES_VERSION = "v1.37.2"
 ETCD_VERSION = "v3.7.3"
@@ -32,20 +35,6 @@ _KUBE_LDFLAGS = (
 )
 # Static binaries, like the Kubernetes release build.
 _BUILD_ENV = {"CGO_ENABLED": "0"}
-
-
-def _load_gobuild():
-    name = "_gobuild"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, HERE.parent / "_gobuild.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-gobuild = _load_gobuild()
 
 
 @dataclass(frozen=True)

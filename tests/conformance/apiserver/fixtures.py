@@ -17,29 +17,13 @@ with the reason, except when CI=true, where that is a failure.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-
-
-def _load(name: str, path: Path):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-binaries = _load("gpu_health_apiserver_binaries", HERE / "_binaries.py")
-peer_module = _load("apiserver_peer", HERE / "apiserver_peer.py")
-ApiServerPeer = peer_module.ApiServerPeer
+from tests.conformance.apiserver import _binaries as binaries
+from tests.conformance.apiserver.apiserver_peer import ApiServerPeer, PeerStartError
 
 
 def _unavailable(message: str) -> None:
@@ -65,7 +49,7 @@ def apiserver(apiserver_binaries, tmp_path_factory):
         try:
             peer = ApiServerPeer.start(apiserver_binaries, workdir=tmp_path_factory.mktemp("apiserver"))
             break
-        except peer_module.PeerStartError as exc:
+        except PeerStartError as exc:
             # The free ports are picked before the processes bind them; another process can win.
             if attempt == 2 or "address already in use" not in str(exc):
                 raise

@@ -3,7 +3,7 @@
 The access control of manifests/base is in force (its ValidatingAdmissionPolicy as is, its ClusterRole's rules
 bound to a service account of the same name in a namespace of this module's own, so the API server shared by the
 session keeps manifests/base's own namespace untouched for test_apiserver_peer.py); the token is bound to a Pod on
-node A as the kubelet would project it, and the real reporter (lightkube underneath) writes through it: merge
+node A as the kubelet would project it, and the real reporter (and its real client) writes through it: merge
 patches that pass the policy, stale-key removal, a concurrent edit answered with 409, RBAC and policy denials
 shown in the status, Events, the node condition with the overlay's nodes/status grant, and kubectl /
 kubectl gpu-health reading it all.
@@ -28,7 +28,7 @@ import yaml
 from plugin.health.node_state import NodeState
 from plugin.health.reasons import State
 from plugin.outlets.kube import KubeReporter, ReporterSettings
-from plugin.outlets.kubeapi import LightkubeApi
+from plugin.outlets.kubeapi import KubeClient
 from tests.conftest import FakeClock
 from tests.fakes.node_devices import Node
 
@@ -114,7 +114,7 @@ class Reporter:
         self.state = NodeState()
         self.node = Node(self.state, n=8)
         self.rep = KubeReporter(self.state, ReporterSettings(node_name=node_name, **settings),
-                                lambda: LightkubeApi(kubeconfig), clock=self.clock,
+                                lambda: KubeClient(kubeconfig), clock=self.clock,
                                 wall=lambda: T0 + self.clock.now, rng=random.Random(5))
 
     def at(self, t: float) -> None:

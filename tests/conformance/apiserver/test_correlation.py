@@ -26,7 +26,7 @@ from plugin.health.monitor import Monitor
 from plugin.health.node_state import NodeState
 from plugin.kubelet.resources import WholeGpus
 from plugin.outlets.correlation import CorrelationSettings, Correlator, PodResourcesClient
-from plugin.outlets.kubeapi import LightkubeApi
+from plugin.outlets.kubeapi import KubeClient
 from tests.conftest import NodeFile
 from tests.fakes.podresources import PodResourcesServer
 
@@ -151,7 +151,7 @@ def make_rig(cluster: Cluster) -> Iterator[Any]:
                                 "node_name": cluster.node, "evict_retry_initial_s": 0.05}
         opts.update(settings)
         corr = Correlator(state, CorrelationSettings(**opts), PodResourcesClient(d / "pr.sock"),
-                          lambda: LightkubeApi(cluster.kubeconfig))
+                          lambda: KubeClient(cluster.kubeconfig))
         monitor.poll_once()
         rig = Rig(node, backend, monitor, kubelet, corr)
         made.append(rig)

@@ -22,13 +22,14 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[2]))
+
+from scripts.gobuild import find_go  # noqa: E402
+
 MODULE = "gpu-health-device-plugin/tests/conformance/kubelet"
 
 
 def go_binary() -> str:
-    sys.path.insert(0, str(HERE.parent))
-    from _gobuild import find_go
-
     go = find_go()
     if go is None:
         sys.exit("pin.py: no Go toolchain found (PATH, $GOROOT/bin, /usr/local/go/bin)")

@@ -1,4 +1,4 @@
-"""Build-or-reuse Go binaries for the conformance peers.
+"""Build Go binaries once and reuse them: the conformance peers, the kubelet bench's harness, the local cluster.
 
 Binaries are cached outside the repository, keyed by name, version and a hash of everything that
 goes into the build (go.mod/go.sum or the alternate ``-modfile`` pair, every ``.go`` file of the
@@ -8,9 +8,11 @@ does not rebuild:
     ~/.cache/gpu-health-device-plugin/<name>-<version>-<hash>/<name>
 
 ``$GPU_HEALTH_CACHE_DIR`` replaces the cache root; otherwise ``$XDG_CACHE_HOME`` is honoured.
-Only the standard library is used, so bench scripts can load this file directly.
+The conformance tests, the benchmarks and the local cluster share this cache. Only the standard library is
+used, so the bench and the local cluster run without the test dependencies; the tests' skip-or-fail wrapper
+is tests/conformance/skips.py.
 
-    from _gobuild import build, find_go
+    from scripts.gobuild import build, find_go
     exe = build(module_dir, "./cmd/peer", "peer", version="v1.37.2")
 """
 
@@ -28,7 +30,6 @@ import tempfile
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
 
 CACHE_NAME = "gpu-health-device-plugin"
 
@@ -236,41 +237,3 @@ def _prune(root: Path, prefix: str, keep: int) -> None:
     entries.sort(key=lambda p: p.stat().st_mtime, reverse=True)
     for old in entries[keep:]:
         shutil.rmtree(old, ignore_errors=True)
-
-
-def require_go_or_skip(reason_prefix: str = "Go toolchain") -> str:
-    """For pytest: the `go` path; skips when missing, fails instead when CI=true."""
-    import pytest
-
-    go = find_go()
-    if go is None:
-        message = f"{reason_prefix} not found (install Go >= 1.24 or put `go` on PATH)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message + "; CI=true, so this is a failure", pytrace=False)
-        pytest.skip(message)
-    return go
-
-
-def build_or_skip(
-    module_dir: os.PathLike[str] | str,
-    package: str,
-    name: str,
-    env: Mapping[str, str] | None = None,
-    **kwargs: Any,
-) -> Path:
-    """For pytest: build() that skips on missing Go or unreachable module proxy, except when CI=true."""
-    import pytest
-
-    in_ci = os.environ.get("CI") == "true"
-    try:
-        return build(module_dir, package, name, env, **kwargs)
-    except GoToolchainMissing as exc:
-        failure = f"{exc}; CI=true, so this is a failure" if in_ci else None
-        skip = str(exc)
-    except GoBuildError as exc:
-        failure = None if (exc.looks_like_network and not in_ci) else str(exc)
-        skip = f"could not download Go modules for {name} (offline?): {str(exc).splitlines()[-1]}"
-    # Outside the except blocks, so pytest does not print the chained build exception.
-    if failure is not None:
-        pytest.fail(failure, pytrace=False)
-    pytest.skip(skip)

@@ -1,0 +1,302 @@
+"""The plugin's options: the ``Config`` dataclass, each field written once with its type, default, parser and help,
+and the option table (flag, environment variable, file key) derived from those fields.
+
+Every option has a flag (``--poll-interval``), an environment variable (``GPU_HEALTH_POLL_INTERVAL``) and a key in
+the ``plugin`` section of the file (``pollInterval``); ``docs/config.md`` and ``run --help`` are generated from the
+table, so a new field is documented and settable everywhere at once.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from plugin.health.config import HealthConfig
+from plugin.kubelet.sharing import MIG_STRATEGIES, SharingConfig
+from plugin.validation import (
+    FieldError,
+    check_condition_type,
+    check_node_name,
+    check_prefix,
+    is_extended_resource_name,
+    parse_bool,
+    split_host_port,
+)
+
+ENV_PREFIX = "GPU_HEALTH_"
+# One error type for a bad value at a path, whichever section it is in; the old name stays for callers.
+ConfigError = FieldError
+
+
+# Value parsers: each takes what a flag, a variable or the file gave and returns the field's value or raises
+# ValueError with the message the user sees after the option's name.
+
+def _float_pos(v: Any) -> float:
+    if isinstance(v, bool):
+        raise ValueError(f"expected a number, got {v!r}")
+    f = float(v)
+    if not f > 0 or f != f or f == float("inf"):
+        raise ValueError(f"must be a positive number, got {v!r}")
+    return f
+
+
+def _int_pos(v: Any) -> int:
+    if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
+        raise ValueError(f"expected a positive integer, got {v!r}")
+    try:
+        n = int(v)
+    except (TypeError, ValueError):
+        raise ValueError(f"expected a positive integer, got {v!r}") from None
+    if n <= 0:
+        raise ValueError(f"expected a positive integer, got {v!r}")
+    return n
+
+
+class _Choice:
+    """A parser for one of a fixed set of words; the set is kept so --help can list it."""
+
+    def __init__(self, *options: str) -> None:
+        self.options = options
+
+    def __call__(self, v: Any) -> str:
+        if v not in self.options:
+            raise ValueError(f"expected one of {', '.join(self.options)}, got {v!r}")
+        return str(v)
+
+
+def _path(v: Any) -> Path:
+    """An absolute path: a relative one is taken against the working directory now, at load time, so that what
+    the start-up log shows is what every later open, bind and watch uses."""
+    if not isinstance(v, (str, Path)) or not str(v):
+        raise ValueError(f"expected a path, got {v!r}")
+    return Path(os.path.abspath(v))
+
+
+def _opt_path(v: Any) -> Path | None:
+    return None if v in (None, "") else _path(v)
+
+
+def _resource(v: Any) -> str:
+    s = str(v)
+    if not is_extended_resource_name(s):
+        raise ValueError(f"expected an extended resource name like nvidia.com/gpu, got {v!r}")
+    return s
+
+
+def _listen_address(v: Any) -> str:
+    s = str(v).strip()
+    if s.lower() == "off":
+        return "off"
+    split_host_port(s)
+    return s
+
+
+CORRELATABLE_STATES = ("Degraded", "Unknown", "Unhealthy")
+
+
+def _state_list(v: Any) -> tuple[str, ...]:
+    """A comma-separated string or a list of states; ``none`` (or empty) for no states."""
+    items = [str(x).strip() for x in v] if isinstance(v, list) else [x.strip() for x in str(v).split(",")]
+    items = [x for x in items if x]
+    if items in ([], ["none"]):
+        return ()
+    bad = [x for x in items if x not in CORRELATABLE_STATES]
+    if bad:
+        raise ValueError(f"expected states among {', '.join(CORRELATABLE_STATES)} (or none), got {bad[0]!r}")
+    return tuple(sorted(set(items), key=CORRELATABLE_STATES.index))
+
+
+def _stripped(check: Callable[[str], str]) -> Callable[[Any], str]:
+    return lambda v: check(str(v).strip())
+
+
+# The table ----------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Option:
+    name: str  # python attribute
+    parse: Callable[[Any], Any]
+    default: Any
+    help: str
+    metavar: str = ""
+    env_aliases: tuple[str, ...] = ()  # other variables read when ENV_PREFIX+NAME is unset (e.g. NODE_NAME)
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    @property
+    def key(self) -> str:
+        head, *tail = self.name.split("_")
+        return head + "".join(t.capitalize() for t in tail)
+
+    @property
+    def is_bool(self) -> bool:
+        return self.parse is parse_bool
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return self.parse.options if isinstance(self.parse, _Choice) else ()
+
+
+_SPEC = "option"
+
+
+@dataclass(frozen=True)
+class _Spec:
+    parse: Callable[[Any], Any]
+    help: str
+    metavar: str
+    env_aliases: tuple[str, ...]
+
+
+def _spec(parse: Callable[[Any], Any], help: str, metavar: str = "",
+          env_aliases: tuple[str, ...] = ()) -> dict[str, _Spec]:
+    """The metadata that makes a Config field an option; its type and default stay the field's own."""
+    return {_SPEC: _Spec(parse, help, metavar, env_aliases)}
+
+
+@dataclass(frozen=True)
+class Config:
+    backend: str = field(default="nvml", metadata=_spec(
+        _Choice("nvml", "simulated"), "where device readings come from"))
+    simulated_node: Path | None = field(default=None, metadata=_spec(
+        _opt_path, "node description for the simulated backend (JSON); the built-in 8-GPU node when unset", "FILE"))
+    device_plugin_dir: Path = field(default=Path("/var/lib/kubelet/device-plugins"), metadata=_spec(
+        _path, "the kubelet's device-plugin directory (kubelet.sock lives here)", "DIR"))
+    state_dir: Path = field(default=Path("/var/lib/gpu-health-device-plugin"), metadata=_spec(
+        _path, "where durable health state (latched faults, transitions) is kept", "DIR"))
+    health_socket: Path | None = field(default=None, metadata=_spec(
+        _opt_path, "unix socket of the node-local health API (default: health.sock in the state dir)", "PATH"))
+    dev_root: Path = field(default=Path("/"), metadata=_spec(
+        _path, "root under which the host's /dev/nvidia* nodes are found", "DIR"))
+    resource_name: str = field(default="nvidia.com/gpu", metadata=_spec(
+        _resource, "extended resource advertised to the kubelet", "NAME"))
+    mig_strategy: str = field(default="none", metadata=_spec(
+        _Choice(*MIG_STRATEGIES), "MIG devices: none (GPUs whole), single (MIG devices as the resource above) or "
+        "mixed (one resource per profile, e.g. nvidia.com/mig-1g.10gb)"))
+    cdi: bool = field(default=False, metadata=_spec(
+        parse_bool, "also return CDI device names (nvidia.com/gpu=<uuid>) from Allocate"))
+    allow_unhealthy_allocation: bool = field(default=False, metadata=_spec(
+        parse_bool, "let Allocate hand out devices the plugin reports Unhealthy (otherwise Allocate fails with "
+        "FAILED_PRECONDITION)"))
+    poll_interval: float = field(default=5.0, metadata=_spec(
+        _float_pos, "seconds between health polls", "SECONDS"))
+    fail_on_init_error: bool = field(default=True, metadata=_spec(
+        parse_bool, "exit non-zero when NVML cannot start; false keeps serving with no healthy devices"))
+    log_format: str = field(default="text", metadata=_spec(
+        _Choice("text", "json"), "log line format"))
+    log_level: str = field(default="info", metadata=_spec(
+        _Choice("debug", "info", "warning", "error"), "log verbosity"))
+    metrics_address: str = field(default="0.0.0.0:9402", metadata=_spec(
+        _listen_address, "HOST:PORT serving /metrics, /healthz and /readyz; off disables", "HOST:PORT"))
+    stall_threshold: float = field(default=60.0, metadata=_spec(
+        _float_pos, "seconds a health loop may fall behind (the poller: beyond its interval) before /healthz fails",
+        "SECONDS"))
+    correlate_on: tuple[str, ...] = field(default=("Unhealthy",), metadata=_spec(
+        _state_list, "device states that make the plugin find the pods holding the device (PodResources) and post "
+        "Events on them; comma-separated, or none", "STATES"))
+    pod_resources_socket: Path = field(default=Path("/var/lib/kubelet/pod-resources/kubelet.sock"), metadata=_spec(
+        _path, "the kubelet's PodResources socket", "PATH"))
+    annotate_pods: bool = field(default=False, metadata=_spec(
+        parse_bool, "also annotate pods holding a failing device"))
+    remediate: str = field(default="none", metadata=_spec(
+        _Choice("none", "evict"), "evict: evict pods holding a failing device through the eviction API "
+        "(PodDisruptionBudgets apply)"))
+    # Cluster reporting (plugin/outlets/kube.py, docs/annotations.md). Reporting is on when a node name is known.
+    node_name: str = field(default="", metadata=_spec(
+        _stripped(check_node_name), "this node's name in the API server (the DaemonSet sets NODE_NAME); empty turns "
+        "cluster reporting off", "NAME", env_aliases=("NODE_NAME",)))
+    kubeconfig: Path | None = field(default=None, metadata=_spec(
+        _opt_path, "kubeconfig for running outside the cluster (default: the Pod's service account)", "FILE"))
+    annotations: bool = field(default=True, metadata=_spec(
+        parse_bool, "write per-device health annotations onto this node"))
+    annotation_prefix: str = field(default="gpu-health.io", metadata=_spec(
+        _stripped(check_prefix), "DNS subdomain our annotation keys live under (the admission policy allows "
+        "gpu-health.io)", "DOMAIN"))
+    annotation_max_bytes: int = field(default=65536, metadata=_spec(
+        _int_pos, "cap on the size of our annotations; beyond it device entries are dropped, worst kept, and a "
+        "truncation marker is written", "BYTES"))
+    events: bool = field(default=True, metadata=_spec(
+        parse_bool, "post Events on this node for transitions into and out of Degraded/Unhealthy"))
+    node_condition: bool = field(default=False, metadata=_spec(
+        parse_bool, "maintain a node condition (needs nodes/status patch: the node-condition overlay)"))
+    node_condition_type: str = field(default="GPUHealthy", metadata=_spec(
+        _stripped(check_condition_type), "type of that node condition", "TYPE"))
+    report_debounce: float = field(default=1.0, metadata=_spec(
+        _float_pos, "seconds a burst of changes is collected into one write", "SECONDS"))
+    report_min_interval: float = field(default=10.0, metadata=_spec(
+        _float_pos, "seconds between two writes to the node (token bucket)", "SECONDS"))
+    report_resync_interval: float = field(default=600.0, metadata=_spec(
+        _float_pos, "seconds between re-reads of the node that repair manual edits of our keys", "SECONDS"))
+    report_backoff_max: float = field(default=300.0, metadata=_spec(
+        _float_pos, "longest wait between retries while the API server is unreachable or refusing (exponential "
+        "back-off with jitter up to this)", "SECONDS"))
+    # The file-only sections, and where each option's value came from.
+    health: HealthConfig = field(default_factory=HealthConfig)
+    sharing: SharingConfig = field(default_factory=SharingConfig)
+    source: dict[str, str] = field(default_factory=dict, compare=False)  # field -> flag/env/file/default
+    # field -> the name the user set it under (--state-dir, GPU_HEALTH_STATE_DIR, plugin.stateDir), for messages
+    set_by: dict[str, str] = field(default_factory=dict, compare=False)
+
+    @property
+    def health_socket_path(self) -> Path:
+        return self.health_socket or self.state_dir / "health.sock"
+
+    def name_of(self, name: str) -> str:
+        """How to name an option in a message: as the user set it, else by its flag."""
+        return self.set_by.get(name) or option(name).flag
+
+    def effective(self) -> dict[str, Any]:
+        """What is in force, for the start-up log (JSON-safe)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            if f.name in ("health", "source", "set_by", "sharing"):
+                continue
+            v = getattr(self, f.name)
+            out[f.name] = str(v) if isinstance(v, Path) else v
+        out["health_socket"] = str(self.health_socket_path)
+        out["sharing"] = self.sharing.effective()
+        h = self.health
+        out["health"] = {
+            "fatal_xids": sorted(h.fatal_xids), "degraded_xids": sorted(h.degraded_xids),
+            "application_xids": sorted(h.application_xids), "ignored_xids": sorted(h.ignored_xids),
+            "clear_after_polls": h.clear_after_polls, "rate_hold_s": h.rate_hold_s,
+            "ecc_corrected_limit": h.ecc_corrected_limit, "ecc_corrected_rate_per_min": h.ecc_corrected_rate_per_min,
+            "overrides": h.overrides,
+            "kubelet_health": {k.value: v for k, v in h.kubelet_health.items()},
+        }
+        return out
+
+
+OPTIONS: tuple[Option, ...] = tuple(
+    Option(f.name, s.parse, f.default, s.help, s.metavar, s.env_aliases)
+    for f in fields(Config) if (s := f.metadata.get(_SPEC)) is not None)
+_BY_NAME = {o.name: o for o in OPTIONS}
+
+
+def option(name: str) -> Option:
+    """The option behind a Config field (KeyError for a field that is not one, such as ``health``)."""
+    return _BY_NAME[name]
+
+
+def default_text(o: Option) -> str | None:
+    """The default as a user would write it (``5``, ``false``, ``Unhealthy``); None when the default is "unset",
+    whose meaning the option's help states (e.g. health.sock in the state dir)."""
+    d = o.default
+    if d is None or d == "":
+        return None
+    if isinstance(d, bool):
+        return "true" if d else "false"
+    if isinstance(d, float) and d.is_integer():
+        return str(int(d))
+    if isinstance(d, tuple):
+        return ",".join(d) if d else "none"
+    return str(d)

@@ -1,0 +1,127 @@
+"""What the cluster outlets (the node reporter and pod correlation) share: the name they write under, the cap on a
+message they post, the core/v1 Event body, and the worker thread that runs their steps.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from plugin.health.node_state import NodeState
+
+COMPONENT = "gpu-health-device-plugin"  # an Event's source and reporting component, our field manager
+DEFAULT_PREFIX = "gpu-health.io"  # the domain of our annotation keys, on nodes and on pods
+MESSAGE_MAX = 1024  # characters of an Event's or the node condition's message
+ERROR_RETRY_S = 5.0  # how long a worker waits after an unexpected error in a step
+MAX_WAIT_S = 3600.0  # a worker looks again at least this often, whatever its step said
+
+
+def rfc3339(t: float) -> str:
+    """Wall-clock seconds as the API server writes times: whole seconds, UTC."""
+    return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def truncate(message: str, limit: int = MESSAGE_MAX) -> str:
+    return message if len(message) <= limit else message[:limit - 3] + "..."
+
+
+@dataclass(frozen=True)
+class Involved:
+    """The object an Event is about."""
+
+    kind: str  # a core/v1 kind: Node, Pod
+    name: str
+    namespace: str = ""  # empty for a cluster-scoped object
+    uid: str = ""  # empty when unknown: the Event still goes out, matched by kind and name only
+
+
+def event_body(involved: Involved, namespace: str, *, reason: str, type_: str, message: str, count: int,
+               first: float, last: float, host: str, stem: str | None = None) -> dict[str, Any]:
+    """A core/v1 Event in ``namespace`` about ``involved``: ``kubectl describe`` on that object lists it. ``first``
+    and ``last`` are wall-clock seconds; ``host`` is the node we run on (empty when unknown); ``stem`` starts the
+    generated name (the object's name unless given)."""
+    ref: dict[str, str] = {"apiVersion": "v1", "kind": involved.kind}
+    if involved.namespace:
+        ref["namespace"] = involved.namespace
+    ref["name"] = involved.name
+    if involved.uid:
+        ref["uid"] = involved.uid
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"generateName": f"{involved.name if stem is None else stem}.gpu-health.",
+                     "namespace": namespace},
+        "involvedObject": ref,
+        "reason": reason,
+        "message": truncate(message),
+        "type": type_,
+        "count": count,
+        "firstTimestamp": rfc3339(first),
+        "lastTimestamp": rfc3339(last),
+        "source": {"component": COMPONENT, **({"host": host} if host else {})},
+        "reportingComponent": COMPONENT,
+        "reportingInstance": host or COMPONENT,
+    }
+
+
+class Closeable(Protocol):
+    def close(self) -> None: ...
+
+
+class OutletThread:
+    """The thread a cluster outlet runs in. It calls :meth:`step` with the clock's time, then sleeps until the
+    deadline that step returned or until the node state moves past ``_version`` (the version the last step took
+    in), whichever comes first. A subclass implements ``step`` and names the clients to close in ``_clients``;
+    ``step`` stays callable on its own, so tests and benchmarks drive the same code on a virtual clock."""
+
+    def __init__(self, state: NodeState, clock: Callable[[], float], *, version: int, thread_name: str, label: str,
+                 log: logging.Logger) -> None:
+        self.state = state
+        self._clock = clock
+        self._version = version
+        self._thread_name = thread_name
+        self._label = label  # starts the outlet's log lines
+        self._log = log
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def step(self, now: float) -> float:
+        """Do whatever is due at ``now``; return when to be called next (or sooner, on a state change)."""
+        raise NotImplementedError
+
+    def _clients(self) -> Iterable[Closeable | None]:
+        """What to close once the thread has stopped; None for a client never built."""
+        return ()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=self._thread_name, daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._stopping.set()
+        self.state.poke()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        for client in self._clients():
+            if client is None:
+                continue
+            try:
+                client.close()
+            except Exception:  # closing a broken connection must not fail the shutdown
+                pass
+
+    def _run(self) -> None:
+        while not self._stopping.is_set() and not self.state.closed:
+            try:
+                deadline = self.step(self._clock())
+            except Exception:
+                # A bug here must not end the outlet for the life of the process; the kubelet path is unaffected
+                # either way.
+                self._log.exception("%s: unexpected error; retrying in %gs", self._label, ERROR_RETRY_S)
+                deadline = self._clock() + ERROR_RETRY_S
+            wait = max(0.0, min(deadline - self._clock(), MAX_WAIT_S))
+            self.state.wait_for_change(self._version, wait, abort=self._stopping.is_set)

@@ -1,0 +1,281 @@
+"""The Prometheus collectors: one per source, each reading its source only when Prometheus scrapes, and the
+registry that holds the ones whose source exists.
+
+Nothing here computes health or sits in a hot path. Every label value is bounded: device IDs, states, reason
+codes, XID numbers, resource names, results; never free text.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from plugin.health.node_state import Snapshot
+from plugin.health.reasons import State
+from plugin.outlets.metrics.sources import (
+    CorrelationCounters,
+    MonitorStats,
+    NodeHistory,
+    NvmlCallCounter,
+    RegistrationSource,
+    ReporterCounters,
+)
+
+STATES = tuple(s.value for s in State)
+_CODE_RE = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
+POLL_QUANTILES = (0.5, 0.9, 0.99)
+
+
+def label_code(code: str) -> str:
+    """A reason code as a label value. Codes are a fixed, documented set; anything that does not look like one is
+    folded into ``other`` so a bug upstream can never turn a label into free text."""
+    return code if len(code) <= 48 and _CODE_RE.match(code) else "other"
+
+
+class DeviceCollector:
+    """Each device's state, reasons and kubelet health in the node state's current snapshot."""
+
+    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterable[Metric]:
+        snap = self._snapshot()
+        state = GaugeMetricFamily("gpu_health_device_state",
+                                  "1 for the device's current state, 0 for the other three", labels=["device", "state"])
+        reason = GaugeMetricFamily("gpu_health_device_reason",
+                                   "1 for every reason the device currently carries", labels=["device", "reason"])
+        kubelet = GaugeMetricFamily("gpu_health_device_kubelet_healthy",
+                                    "1 when the kubelet is told the device is Healthy", labels=["device"])
+        for d in snap.devices:
+            for s in STATES:
+                state.add_metric([d.id, s], 1.0 if d.state.value == s else 0.0)
+            for r in d.reasons:
+                reason.add_metric([d.id, label_code(r.code)], 1.0)
+            kubelet.add_metric([d.id], 1.0 if d.kubelet_health == "Healthy" else 0.0)
+        yield state
+        yield reason
+        yield kubelet
+        yield GaugeMetricFamily("gpu_health_devices", "devices the node state holds", value=len(snap.devices))
+        yield GaugeMetricFamily("gpu_health_backend_error", "1 while device discovery itself fails",
+                                value=1.0 if snap.backend_error else 0.0)
+
+
+class TransitionCollector:
+    """Transitions counted by the state they went to and their leading reason code, pulled from the node state's
+    sequence-numbered history at scrape time (no listener in the health path). If more transitions happened between
+    two scrapes than the history holds, the ones that fell out are counted in ``missed``."""
+
+    def __init__(self, history: NodeHistory) -> None:
+        self._history = history
+        self._lock = threading.Lock()  # two scrapes at once must not count one batch twice
+        self._seq = history.snapshot().seq  # transitions restored from the state dir happened in another process
+        self._counts: dict[tuple[str, str], int] = {}
+        self._missed = 0
+
+    def update(self) -> tuple[dict[tuple[str, str], int], int]:
+        """Count what happened since the last call; return the counts and the missed total."""
+        with self._lock:
+            batch = self._history.transitions_since(self._seq)
+            if batch is None:
+                now_seq = self._history.snapshot().seq
+                self._missed += max(0, now_seq - self._seq)
+                self._seq = now_seq
+                batch = []
+            for t in batch:
+                code = label_code(t.reasons[0].code) if t.reasons else "none"
+                key = (t.to_state, code)
+                self._counts[key] = self._counts.get(key, 0) + 1
+                self._seq = t.seq
+            return dict(self._counts), self._missed
+
+    def collect(self) -> Iterable[Metric]:
+        counts, missed = self.update()
+        fam = CounterMetricFamily("gpu_health_transitions",
+                                  "device state transitions by the state entered and the leading reason code "
+                                  "(none when the device recovered)", labels=["to", "reason"])
+        for (to, code), n in sorted(counts.items()):
+            fam.add_metric([to, code], n)
+        yield fam
+        yield CounterMetricFamily("gpu_health_transitions_missed",
+                                  "transitions that fell out of the bounded history between two scrapes",
+                                  value=missed)
+
+
+class NvmlErrorCollector:
+    """Failed NVML calls. Exported as 0 for a backend without NVML (simulated, unavailable), so a dashboard or an
+    alert on the rate reads a flat line there rather than no data."""
+
+    def __init__(self, backend: NvmlCallCounter | None) -> None:
+        self._backend = backend
+
+    def collect(self) -> Iterable[Metric]:
+        errors = self._backend.call_errors if self._backend is not None else 0
+        yield CounterMetricFamily("gpu_health_nvml_call_errors", "NVML calls that failed (NotSupported excluded)",
+                                  value=errors)
+
+
+def _quantile(sorted_values: Sequence[float], q: float) -> float:
+    # Nearest-rank on a sorted copy: what an operator means by "p99 of the recent polls".
+    idx = min(len(sorted_values) - 1, max(0, round(q * len(sorted_values) + 0.5) - 1))
+    return sorted_values[idx]
+
+
+class MonitorCollector:
+    """The health monitor's XID and driver event counters, its poll durations and when its loops last ran."""
+
+    def __init__(self, monitor: MonitorStats) -> None:
+        self._monitor = monitor
+
+    def collect(self) -> Iterable[Metric]:
+        m = self._monitor
+        xids = CounterMetricFamily("gpu_health_xid_events", "XID events seen, by device and XID number",
+                                   labels=["device", "xid"])
+        for (uuid, xid), n in sorted(dict(m.xids_seen).items()):
+            xids.add_metric([uuid, str(xid)], n)
+        yield xids
+        yield CounterMetricFamily("gpu_health_driver_events", "driver events of every kind seen",
+                                  value=m.events_seen)
+        # A summary: cumulative count and sum, and quantiles over the recent window the monitor keeps.
+        poll = Metric("gpu_health_poll_duration_seconds", "time one health poll of every device took", "summary")
+        recent = sorted(m.poll_durations[-200:])
+        for q in POLL_QUANTILES if recent else ():
+            poll.add_sample("gpu_health_poll_duration_seconds", {"quantile": str(q)}, _quantile(recent, q))
+        poll.add_sample("gpu_health_poll_duration_seconds_count", {}, m.polls)
+        poll.add_sample("gpu_health_poll_duration_seconds_sum", {}, m.poll_seconds)
+        yield poll
+        last = GaugeMetricFamily("gpu_health_loop_last_run_timestamp_seconds",
+                                 "when each health loop last went round (unix seconds)", labels=["loop"])
+        last.add_metric(["poll"], m.last_poll_at)
+        last.add_metric(["events"], m.last_event_loop_at)
+        yield last
+
+
+class RegistrationCollector:
+    """The kubelet registration record, and the open ListAndWatch streams of each resource (0 while unserved)."""
+
+    def __init__(self, supervisor: RegistrationSource) -> None:
+        self._supervisor = supervisor
+
+    def collect(self) -> Iterable[Metric]:
+        sup = self._supervisor
+        rec = sup.record
+        yield GaugeMetricFamily("gpu_health_registered", "1 while registered with the kubelet",
+                                value=1.0 if rec.registered else 0.0)
+        yield CounterMetricFamily("gpu_health_registrations", "successful registrations with the kubelet",
+                                  value=rec.registrations)
+        yield CounterMetricFamily("gpu_health_registration_failures", "failed registration attempts",
+                                  value=rec.failures)
+        yield GaugeMetricFamily("gpu_health_last_registration_timestamp_seconds",
+                                "when the last successful registration happened (unix seconds; 0: never)",
+                                value=rec.last_registered_at)
+        streams = GaugeMetricFamily("gpu_health_listandwatch_streams", "open ListAndWatch streams",
+                                    labels=["resource"])
+        by_resource: dict[str, int] = {r.name: 0 for r in sup.resources}
+        for server in list(sup.servers):  # a copy: the supervisor replaces its servers while we read
+            name = server.resource.name
+            by_resource[name] = by_resource.get(name, 0) + server.servicer.open_streams
+        for name, n in sorted(by_resource.items()):
+            streams.add_metric([name], n)
+        yield streams
+
+
+def _counters(*rows: tuple[str, str, int]) -> Iterator[Metric]:
+    """Unlabelled counters from (name, help, value) rows."""
+    for name, doc, value in rows:
+        yield CounterMetricFamily(name, doc, value=value)
+
+
+class ReportingCollector:
+    """The cluster reporter's requests, one series per kind: an alert on failed writes must not fire for a failed
+    read, nor a failed Event hide among the writes."""
+
+    def __init__(self, status: Callable[[], ReporterCounters]) -> None:
+        self._status = status
+
+    def collect(self) -> Iterable[Metric]:
+        s = self._status()
+        yield from _counters(
+            ("gpu_health_annotation_writes", "node writes (annotation or condition patches) that succeeded",
+             s.writes),
+            ("gpu_health_annotation_write_failures", "node writes (annotation or condition patches) that failed",
+             s.write_failures),
+            ("gpu_health_node_reads", "reads of the Node that succeeded", s.reads),
+            ("gpu_health_node_read_failures", "reads of the Node that failed", s.read_failures),
+            ("gpu_health_node_events", "Events on the Node posted or updated", s.events_written),
+            ("gpu_health_node_event_failures", "Events on the Node that could not be posted", s.event_failures),
+            ("gpu_health_api_client_failures",
+             "attempts to build the Kubernetes client that failed (kubeconfig, service account)", s.client_failures),
+        )
+
+
+class CorrelationCollector:
+    """The pod correlator's PodResources lookups and what it told or did to the pods on a failing device."""
+
+    def __init__(self, stats: Callable[[], CorrelationCounters]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterable[Metric]:
+        c = self._stats()
+        yield from _counters(
+            ("gpu_health_pod_resources_lookups", "PodResources List calls made", c.lookups),
+            ("gpu_health_pod_resources_failures", "PodResources List calls that failed", c.lookup_failures),
+            ("gpu_health_pod_events", "Events posted on pods holding a failing device", c.events_posted),
+            ("gpu_health_pod_event_failures", "Events on pods that could not be posted", c.event_failures),
+            ("gpu_health_pod_annotations", "pods annotated with a failing device", c.annotations),
+            ("gpu_health_pod_annotation_failures", "pod annotations that failed", c.annotation_failures),
+        )
+        ev = CounterMetricFamily("gpu_health_pod_evictions",
+                                 "evictions requested for pods on a failing device, by result "
+                                 "(evicted, blocked: a PodDisruptionBudget said no, failed)", labels=["result"])
+        for result, n in (("evicted", c.evictions_evicted), ("blocked", c.evictions_blocked),
+                          ("failed", c.evictions_failed)):
+            ev.add_metric([result], n)
+        yield ev
+
+
+@dataclass(frozen=True)
+class Sources:
+    """Where the numbers come from. Everything but the node state is optional, so each outlet can be off; a
+    source that is None gets no collector, and so no series (NVML call errors excepted: see
+    :class:`NvmlErrorCollector`). The reporter's status and the correlator's counters are read through a call at
+    every scrape."""
+
+    state: NodeHistory
+    monitor: MonitorStats | None = None
+    backend: NvmlCallCounter | None = None  # the NVML backend; None for one without NVML
+    supervisor: RegistrationSource | None = None
+    annotations: Callable[[], ReporterCounters] | None = None  # the cluster reporter's status
+    correlation: Callable[[], CorrelationCounters] | None = None
+
+
+def collectors(sources: Sources) -> list[Collector]:
+    """One collector per source that exists, in the order their series have always been exposed."""
+    out: list[Collector] = [DeviceCollector(sources.state.snapshot), TransitionCollector(sources.state),
+                            NvmlErrorCollector(sources.backend)]
+    if sources.monitor is not None:
+        out.append(MonitorCollector(sources.monitor))
+    if sources.supervisor is not None:
+        out.append(RegistrationCollector(sources.supervisor))
+    if sources.annotations is not None:
+        out.append(ReportingCollector(sources.annotations))
+    if sources.correlation is not None:
+        out.append(CorrelationCollector(sources.correlation))
+    return out
+
+
+def build_registry(sources: Sources, process: bool = True) -> CollectorRegistry:
+    """A registry of our own (never the global one): tests build as many as they like side by side. It never
+    describes a collector by collecting it, so registration reads no source."""
+    registry = CollectorRegistry(auto_describe=False)
+    for collector in collectors(sources):
+        registry.register(collector)
+    if process:
+        ProcessCollector(registry=registry)
+        PlatformCollector(registry=registry)
+    return registry

@@ -1,0 +1,179 @@
+"""What the metrics outlet reads: one narrow protocol per source, each only what a collector or a probe uses.
+
+The plugin's real objects (the node state, the monitor, the NVML backend, the supervisor, the reporter's status and
+the correlator's counters) satisfy these structurally; ``plugin.app`` passes them, so the type checker proves it
+there. Everything is read-only: nothing here may change what it reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+from plugin.health.node_state import Snapshot, Transition
+
+
+class NodeHistory(Protocol):
+    """The node state's snapshot and its sequence-numbered history of transitions."""
+
+    def snapshot(self) -> Snapshot: ...
+
+    def transitions_since(self, seq: int) -> list[Transition] | None: ...
+
+
+class LoopTimes(Protocol):
+    """When each health loop last went round (the monitor's clock; 0: never)."""
+
+    @property
+    def last_poll_at(self) -> float: ...
+
+    @property
+    def last_event_loop_at(self) -> float: ...
+
+
+class MonitorStats(LoopTimes, Protocol):
+    """The health monitor's cumulative counters and its window of recent poll durations."""
+
+    @property
+    def polls(self) -> int: ...
+
+    @property
+    def poll_seconds(self) -> float: ...
+
+    @property
+    def poll_durations(self) -> Sequence[float]: ...
+
+    @property
+    def events_seen(self) -> int: ...
+
+    @property
+    def xids_seen(self) -> Mapping[tuple[str, int], int]: ...
+
+
+class HealthLoops(LoopTimes, Protocol):
+    """What liveness compares with the clock: the loops' last rounds and the poll cadence."""
+
+    @property
+    def poll_interval_s(self) -> float: ...
+
+
+class NvmlCallCounter(Protocol):
+    @property
+    def call_errors(self) -> int: ...
+
+
+class RegistrationRecordView(Protocol):
+    """The supervisor's record of its registrations with the kubelet."""
+
+    @property
+    def registered(self) -> bool: ...
+
+    @property
+    def registrations(self) -> int: ...
+
+    @property
+    def failures(self) -> int: ...
+
+    @property
+    def last_registered_at(self) -> float: ...
+
+    @property
+    def last_error(self) -> str: ...
+
+
+class Named(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+class StreamCount(Protocol):
+    @property
+    def open_streams(self) -> int: ...
+
+
+class ServedResource(Protocol):
+    """One device plugin server: the resource it serves and its servicer's open ListAndWatch streams."""
+
+    @property
+    def resource(self) -> Named: ...
+
+    @property
+    def servicer(self) -> StreamCount: ...
+
+
+class RegistrationSource(Protocol):
+    """The supervisor as the registration collector sees it: the record, the resources and the servers now."""
+
+    @property
+    def record(self) -> RegistrationRecordView: ...
+
+    @property
+    def resources(self) -> Sequence[Named]: ...
+
+    @property
+    def servers(self) -> Sequence[ServedResource]: ...
+
+
+class SupervisorLoop(Protocol):
+    """The supervisor as the probes see it: whether its loop died, and the registration record."""
+
+    @property
+    def record(self) -> RegistrationRecordView: ...
+
+    def failure(self) -> str | None: ...
+
+
+class ReporterCounters(Protocol):
+    """The cluster reporter's request counters, one per kind of request."""
+
+    @property
+    def writes(self) -> int: ...
+
+    @property
+    def write_failures(self) -> int: ...
+
+    @property
+    def reads(self) -> int: ...
+
+    @property
+    def read_failures(self) -> int: ...
+
+    @property
+    def events_written(self) -> int: ...
+
+    @property
+    def event_failures(self) -> int: ...
+
+    @property
+    def client_failures(self) -> int: ...
+
+
+class CorrelationCounters(Protocol):
+    """The pod correlator's counters: PodResources lookups, and what it told or did to pods."""
+
+    @property
+    def lookups(self) -> int: ...
+
+    @property
+    def lookup_failures(self) -> int: ...
+
+    @property
+    def events_posted(self) -> int: ...
+
+    @property
+    def event_failures(self) -> int: ...
+
+    @property
+    def annotations(self) -> int: ...
+
+    @property
+    def annotation_failures(self) -> int: ...
+
+    @property
+    def evictions_evicted(self) -> int: ...
+
+    @property
+    def evictions_blocked(self) -> int: ...
+
+    @property
+    def evictions_failed(self) -> int: ...
