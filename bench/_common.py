@@ -52,3 +52,18 @@ def thread_count(pid: int) -> int:
 
 def machine() -> str:
     return f"{os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}, {platform.system()}"
+
+
+def compiled_env(repo: Path) -> dict[str, str]:
+    """The environment for a plugin process whose memory is measured: its own modules byte-compiled first, as they
+    are in the image (pip compiles a wheel's modules at install; the installed libraries already have theirs).
+    Without this, a machine that sets PYTHONDONTWRITEBYTECODE (this one does) compiles every module of ours at every
+    start, and the compiler's garbage shows up as about 1 MiB of RSS that no DaemonSet pays. The bytecode lands in
+    the usual, git-ignored __pycache__ directories."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "plugin", "api"], cwd=repo, env=env, check=True,
+                   stdout=subprocess.DEVNULL)
+    return env

@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc  # noqa: E402
-from bench._common import machine, rss_mib, summary_ms  # noqa: E402
+from bench._common import compiled_env, machine, rss_mib, summary_ms  # noqa: E402
 from plugin.devtools.standin import KubeletStandin  # noqa: E402
 from tests.conftest import NodeFile  # noqa: E402
 
@@ -44,7 +44,7 @@ def start_plugin(root: Path, poll_interval: str = "5") -> subprocess.Popen[bytes
         [sys.executable, "-m", "plugin", "run", "--backend", "simulated", "--simulated-node", str(root / "node.json"),
          "--device-plugin-dir", str(root / "dp"), "--state-dir", str(root / "state"), "--dev-root", str(root),
          "--poll-interval", poll_interval, "--log-level", "warning", "--config", str(root / "config.yaml")],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=compiled_env(REPO))
 
 
 def closed_loop(stub: api_pb2_grpc.DevicePluginStub, make_call: object, callers: int, calls: int) -> list[float]:

@@ -27,6 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench._common import compiled_env  # noqa: E402
 from plugin.devices.simulated import builtin_node  # noqa: E402
 from plugin.devtools.standin import KubeletStandin  # noqa: E402
 
@@ -76,7 +77,7 @@ def one_run(faults: int, idle_s: float, poll_interval: str | None, reporter: boo
             args += ["--node-name", "bench-node", "--kubeconfig", str(kubeconfig)]
         t0 = time.monotonic()
         proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
+                                start_new_session=True, env=compiled_env(REPO))
         try:
             if not kubelet.wait_for(lambda: kubelet.capacity()[1] == 8, timeout=60):
                 raise RuntimeError("plugin did not register 8 healthy GPUs within 60 s")

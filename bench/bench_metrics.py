@@ -6,8 +6,8 @@
 
 Measures, in one run:
 - scrape latency of /metrics over HTTP (one keep-alive connection, as Prometheus scrapes) with 8 simulated GPUs,
-  p50/p99, next to /healthz on the same server (the HTTP floor) and the collector alone in process
-  (``generate_latest``), with the ratios scrape/healthz and scrape/collector from the same run; the body size;
+  p50/p99, next to /healthz on the same server (the HTTP floor) and the collectors with the text encoder alone in
+  process (``encode_text``), with the ratios scrape/healthz and scrape/collector from the same run; the body size;
 - the plugin as its own process (8 simulated GPUs, default 5 s poll, registered with a kubelet stand-in), once with
   metrics on and once with ``--metrics-address off``: CPU used over ``--idle`` seconds of idling, as % of one core,
   and RSS after start; then with metrics on again while scraped every second (a busy Prometheus; 15-30 s is usual).
@@ -29,9 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from prometheus_client import generate_latest  # noqa: E402
-
-from bench._common import cpu_seconds, machine, rss_mib, summary_ms  # noqa: E402
+from bench._common import compiled_env, cpu_seconds, machine, rss_mib, summary_ms  # noqa: E402
 from plugin.devices.simulated import SimulatedBackend  # noqa: E402
 from plugin.devtools.standin import KubeletStandin  # noqa: E402
 from plugin.health.config import HealthConfig  # noqa: E402
@@ -41,6 +39,7 @@ from plugin.kubelet.allocation import AllocationConfig  # noqa: E402
 from plugin.kubelet.resources import WholeGpus  # noqa: E402
 from plugin.kubelet.supervisor import Supervisor  # noqa: E402
 from plugin.outlets.metrics import MetricsServer, Probes, Sources, build_registry  # noqa: E402
+from plugin.outlets.metrics.exposition import encode_text  # noqa: E402
 from tests.conftest import NodeFile  # noqa: E402
 
 
@@ -91,7 +90,7 @@ def scrape_cost(n: int) -> dict[str, object]:
                 probes += timed_gets(conn, "/healthz", 50)[0]
                 for _ in range(50):
                     t0 = time.perf_counter()
-                    generate_latest(registry)
+                    encode_text(registry)
                     inproc.append(time.perf_counter() - t0)
         finally:
             conn.close()
@@ -123,7 +122,7 @@ def idle_run(metrics: bool, idle_s: float, scrape_every_s: float | None) -> dict
              str(root / "node.json"), "--device-plugin-dir", str(root / "dp"), "--state-dir", str(root / "state"),
              "--dev-root", str(root), "--log-level", "warning", "--correlate-on", "none",
              "--metrics-address", f"127.0.0.1:{port}" if metrics else "off"],
-            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=compiled_env(REPO))
         try:
             assert kubelet.wait_for(lambda: kubelet.capacity() == (8, 8), 30), "plugin did not register"
             time.sleep(2.0)  # start-up work (imports, first polls) is not idle time

@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc  # noqa: E402
-from bench._common import cpu_seconds, fd_count, machine, rss_mib, thread_count  # noqa: E402
+from bench._common import compiled_env, cpu_seconds, fd_count, machine, rss_mib, thread_count  # noqa: E402
 from plugin.devtools.standin import KubeletStandin  # noqa: E402
 from tests.conftest import NodeFile  # noqa: E402
 from tests.fakes.fake_apiserver import FakeApiServer  # noqa: E402
@@ -86,7 +86,7 @@ def main() -> int:
              "--node-name", NODE, "--kubeconfig", str(kubeconfig), "--node-condition", "true", "--cdi", "true",
              "--pod-resources-socket", str(root / "pod-resources.sock"), "--correlate-on", "Unhealthy",
              "--metrics-address", f"127.0.0.1:{port}", "--log-level", "warning"],
-            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=compiled_env(REPO))
         samples: list[dict[str, float]] = []
         counts = {"faults": 0, "recoveries": 0, "kubelet_restarts": 0, "streams": 0, "scrapes": 0}
         try:

@@ -18,7 +18,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 REPORTING = {"plugin.outlets.kube", "plugin.outlets.annotations", "plugin.outlets.events",
              "plugin.outlets.condition"}
-METRICS = {"prometheus_client", "plugin.outlets.metrics"}
+METRICS = {"plugin.outlets.metrics"}
+# What the metrics outlet does without: prometheus_client and the HTTP stack it loads cost ~3 MiB of RSS.
+METRICS_NEVER = {"prometheus_client", "http.server", "http.client", "email", "wsgiref", "urllib.request"}
 CORRELATION = {"plugin.outlets.correlation", "api.podresources.v1.api_pb2"}
 NVML = {"pynvml", "plugin.devices.nvml"}
 
@@ -68,6 +70,7 @@ def test_defaults_import_no_reporting_no_yaml_no_nvml(tmp_path: Path) -> None:
     assert "yaml" not in mods, "no config file was given"
     assert not mods & NVML
     assert METRICS.issubset(mods) and CORRELATION.issubset(mods), "both are on by default"
+    assert not mods & METRICS_NEVER, "the metrics outlet writes its formats and serves HTTP on its own"
 
 
 @pytest.mark.parametrize(("flags", "absent"), [

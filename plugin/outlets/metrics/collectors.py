@@ -12,12 +12,10 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
-
 from plugin.health.node_state import Snapshot
 from plugin.health.reasons import State
+from plugin.outlets.metrics.exposition import Collector, CounterFamily, Family, GaugeFamily, Registry
+from plugin.outlets.metrics.process import PlatformCollector, ProcessCollector
 from plugin.outlets.metrics.sources import (
     CorrelationCounters,
     MonitorStats,
@@ -44,14 +42,14 @@ class DeviceCollector:
     def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
         self._snapshot = snapshot
 
-    def collect(self) -> Iterable[Metric]:
+    def collect(self) -> Iterable[Family]:
         snap = self._snapshot()
-        state = GaugeMetricFamily("gpu_health_device_state",
-                                  "1 for the device's current state, 0 for the other three", labels=["device", "state"])
-        reason = GaugeMetricFamily("gpu_health_device_reason",
-                                   "1 for every reason the device currently carries", labels=["device", "reason"])
-        kubelet = GaugeMetricFamily("gpu_health_device_kubelet_healthy",
-                                    "1 when the kubelet is told the device is Healthy", labels=["device"])
+        state = GaugeFamily("gpu_health_device_state",
+                            "1 for the device's current state, 0 for the other three", labels=["device", "state"])
+        reason = GaugeFamily("gpu_health_device_reason",
+                             "1 for every reason the device currently carries", labels=["device", "reason"])
+        kubelet = GaugeFamily("gpu_health_device_kubelet_healthy",
+                              "1 when the kubelet is told the device is Healthy", labels=["device"])
         for d in snap.devices:
             for s in STATES:
                 state.add_metric([d.id, s], 1.0 if d.state.value == s else 0.0)
@@ -61,9 +59,9 @@ class DeviceCollector:
         yield state
         yield reason
         yield kubelet
-        yield GaugeMetricFamily("gpu_health_devices", "devices the node state holds", value=len(snap.devices))
-        yield GaugeMetricFamily("gpu_health_backend_error", "1 while device discovery itself fails",
-                                value=1.0 if snap.backend_error else 0.0)
+        yield GaugeFamily("gpu_health_devices", "devices the node state holds", value=len(snap.devices))
+        yield GaugeFamily("gpu_health_backend_error", "1 while device discovery itself fails",
+                          value=1.0 if snap.backend_error else 0.0)
 
 
 class TransitionCollector:
@@ -94,17 +92,17 @@ class TransitionCollector:
                 self._seq = t.seq
             return dict(self._counts), self._missed
 
-    def collect(self) -> Iterable[Metric]:
+    def collect(self) -> Iterable[Family]:
         counts, missed = self.update()
-        fam = CounterMetricFamily("gpu_health_transitions",
-                                  "device state transitions by the state entered and the leading reason code "
-                                  "(none when the device recovered)", labels=["to", "reason"])
+        fam = CounterFamily("gpu_health_transitions",
+                            "device state transitions by the state entered and the leading reason code "
+                            "(none when the device recovered)", labels=["to", "reason"])
         for (to, code), n in sorted(counts.items()):
             fam.add_metric([to, code], n)
         yield fam
-        yield CounterMetricFamily("gpu_health_transitions_missed",
-                                  "transitions that fell out of the bounded history between two scrapes",
-                                  value=missed)
+        yield CounterFamily("gpu_health_transitions_missed",
+                            "transitions that fell out of the bounded history between two scrapes",
+                            value=missed)
 
 
 class NvmlErrorCollector:
@@ -114,10 +112,10 @@ class NvmlErrorCollector:
     def __init__(self, backend: NvmlCallCounter | None) -> None:
         self._backend = backend
 
-    def collect(self) -> Iterable[Metric]:
+    def collect(self) -> Iterable[Family]:
         errors = self._backend.call_errors if self._backend is not None else 0
-        yield CounterMetricFamily("gpu_health_nvml_call_errors", "NVML calls that failed (NotSupported excluded)",
-                                  value=errors)
+        yield CounterFamily("gpu_health_nvml_call_errors", "NVML calls that failed (NotSupported excluded)",
+                            value=errors)
 
 
 def _quantile(sorted_values: Sequence[float], q: float) -> float:
@@ -132,25 +130,25 @@ class MonitorCollector:
     def __init__(self, monitor: MonitorStats) -> None:
         self._monitor = monitor
 
-    def collect(self) -> Iterable[Metric]:
+    def collect(self) -> Iterable[Family]:
         m = self._monitor
-        xids = CounterMetricFamily("gpu_health_xid_events", "XID events seen, by device and XID number",
-                                   labels=["device", "xid"])
+        xids = CounterFamily("gpu_health_xid_events", "XID events seen, by device and XID number",
+                             labels=["device", "xid"])
         for (uuid, xid), n in sorted(dict(m.xids_seen).items()):
             xids.add_metric([uuid, str(xid)], n)
         yield xids
-        yield CounterMetricFamily("gpu_health_driver_events", "driver events of every kind seen",
-                                  value=m.events_seen)
+        yield CounterFamily("gpu_health_driver_events", "driver events of every kind seen",
+                            value=m.events_seen)
         # A summary: cumulative count and sum, and quantiles over the recent window the monitor keeps.
-        poll = Metric("gpu_health_poll_duration_seconds", "time one health poll of every device took", "summary")
+        poll = Family("gpu_health_poll_duration_seconds", "time one health poll of every device took", "summary")
         recent = sorted(m.poll_durations[-200:])
         for q in POLL_QUANTILES if recent else ():
             poll.add_sample("gpu_health_poll_duration_seconds", {"quantile": str(q)}, _quantile(recent, q))
         poll.add_sample("gpu_health_poll_duration_seconds_count", {}, m.polls)
         poll.add_sample("gpu_health_poll_duration_seconds_sum", {}, m.poll_seconds)
         yield poll
-        last = GaugeMetricFamily("gpu_health_loop_last_run_timestamp_seconds",
-                                 "when each health loop last went round (unix seconds)", labels=["loop"])
+        last = GaugeFamily("gpu_health_loop_last_run_timestamp_seconds",
+                           "when each health loop last went round (unix seconds)", labels=["loop"])
         last.add_metric(["poll"], m.last_poll_at)
         last.add_metric(["events"], m.last_event_loop_at)
         yield last
@@ -162,20 +160,20 @@ class RegistrationCollector:
     def __init__(self, supervisor: RegistrationSource) -> None:
         self._supervisor = supervisor
 
-    def collect(self) -> Iterable[Metric]:
+    def collect(self) -> Iterable[Family]:
         sup = self._supervisor
         rec = sup.record
-        yield GaugeMetricFamily("gpu_health_registered", "1 while registered with the kubelet",
-                                value=1.0 if rec.registered else 0.0)
-        yield CounterMetricFamily("gpu_health_registrations", "successful registrations with the kubelet",
-                                  value=rec.registrations)
-        yield CounterMetricFamily("gpu_health_registration_failures", "failed registration attempts",
-                                  value=rec.failures)
-        yield GaugeMetricFamily("gpu_health_last_registration_timestamp_seconds",
-                                "when the last successful registration happened (unix seconds; 0: never)",
-                                value=rec.last_registered_at)
-        streams = GaugeMetricFamily("gpu_health_listandwatch_streams", "open ListAndWatch streams",
-                                    labels=["resource"])
+        yield GaugeFamily("gpu_health_registered", "1 while registered with the kubelet",
+                          value=1.0 if rec.registered else 0.0)
+        yield CounterFamily("gpu_health_registrations", "successful registrations with the kubelet",
+                            value=rec.registrations)
+        yield CounterFamily("gpu_health_registration_failures", "failed registration attempts",
+                            value=rec.failures)
+        yield GaugeFamily("gpu_health_last_registration_timestamp_seconds",
+                          "when the last successful registration happened (unix seconds; 0: never)",
+                          value=rec.last_registered_at)
+        streams = GaugeFamily("gpu_health_listandwatch_streams", "open ListAndWatch streams",
+                              labels=["resource"])
         by_resource: dict[str, int] = {r.name: 0 for r in sup.resources}
         for server in list(sup.servers):  # a copy: the supervisor replaces its servers while we read
             name = server.resource.name
@@ -185,10 +183,10 @@ class RegistrationCollector:
         yield streams
 
 
-def _counters(*rows: tuple[str, str, int]) -> Iterator[Metric]:
+def _counters(*rows: tuple[str, str, int]) -> Iterator[Family]:
     """Unlabelled counters from (name, help, value) rows."""
     for name, doc, value in rows:
-        yield CounterMetricFamily(name, doc, value=value)
+        yield CounterFamily(name, doc, value=value)
 
 
 class ReportingCollector:
@@ -198,7 +196,7 @@ class ReportingCollector:
     def __init__(self, status: Callable[[], ReporterCounters]) -> None:
         self._status = status
 
-    def collect(self) -> Iterable[Metric]:
+    def collect(self) -> Iterable[Family]:
         s = self._status()
         yield from _counters(
             ("gpu_health_annotation_writes", "node writes (annotation or condition patches) that succeeded",
@@ -220,7 +218,7 @@ class CorrelationCollector:
     def __init__(self, stats: Callable[[], CorrelationCounters]) -> None:
         self._stats = stats
 
-    def collect(self) -> Iterable[Metric]:
+    def collect(self) -> Iterable[Family]:
         c = self._stats()
         yield from _counters(
             ("gpu_health_pod_resources_lookups", "PodResources List calls made", c.lookups),
@@ -230,9 +228,9 @@ class CorrelationCollector:
             ("gpu_health_pod_annotations", "pods annotated with a failing device", c.annotations),
             ("gpu_health_pod_annotation_failures", "pod annotations that failed", c.annotation_failures),
         )
-        ev = CounterMetricFamily("gpu_health_pod_evictions",
-                                 "evictions requested for pods on a failing device, by result "
-                                 "(evicted, blocked: a PodDisruptionBudget said no, failed)", labels=["result"])
+        ev = CounterFamily("gpu_health_pod_evictions",
+                           "evictions requested for pods on a failing device, by result "
+                           "(evicted, blocked: a PodDisruptionBudget said no, failed)", labels=["result"])
         for result, n in (("evicted", c.evictions_evicted), ("blocked", c.evictions_blocked),
                           ("failed", c.evictions_failed)):
             ev.add_metric([result], n)
@@ -269,13 +267,13 @@ def collectors(sources: Sources) -> list[Collector]:
     return out
 
 
-def build_registry(sources: Sources, process: bool = True) -> CollectorRegistry:
-    """A registry of our own (never the global one): tests build as many as they like side by side. It never
-    describes a collector by collecting it, so registration reads no source."""
-    registry = CollectorRegistry(auto_describe=False)
+def build_registry(sources: Sources, process: bool = True) -> Registry:
+    """A registry of our own (there is no global one): tests build as many as they like side by side.
+    Registration reads no source; ``process`` adds the process's own series (memory, CPU, file descriptors)."""
+    registry = Registry()
     for collector in collectors(sources):
         registry.register(collector)
     if process:
-        ProcessCollector(registry=registry)
-        PlatformCollector(registry=registry)
+        registry.register(ProcessCollector())
+        registry.register(PlatformCollector())
     return registry
