@@ -27,6 +27,13 @@ def _island(indices: set[int]) -> bool:
     return any(indices <= i for i in ISLANDS)
 
 
+# The stories run in order on one node, and the plugin damps a GPU that changes state more than flap.max (4) times
+# in 10 minutes (it holds the worst state for 10 minutes). Story 2 faults a GPU and story 3 resets it; story 4 heats
+# and cools most GPUs; so the GPU that story 5 latches and story 7 resets must not be story 2's, or a quick run trips
+# the damper on it and story 7 waits in vain for eight GPUs.
+FAULTED: set[str] = set()
+
+
 def test_0_status_prints_the_up_json_and_a_second_up_is_refused(local: Local) -> None:
     script = str(REPO / "scripts" / "local-cluster")
     status = subprocess.run([script, "status"], capture_output=True, text=True, timeout=60)
@@ -58,6 +65,7 @@ def test_1_a_pod_gets_two_gpus_of_one_island_and_nine_do_not_fit(local: Local) -
 def test_2_a_fatal_fault_reaches_node_pod_and_scheduler(local: Local) -> None:
     held = local.visible_devices("two")
     bad = local.index_of(held[0])
+    FAULTED.add(held[0])
     before = time.time()
     local.signals(bad, xid_events=[79])
     local.wait_gpus(7)
@@ -133,7 +141,7 @@ def _registrations(local: Local) -> int:
 def test_5_kubelet_restart_re_registers_once_and_keeps_latched_health(local: Local) -> None:
     local.apply(local.gpu_pod("steady", 1))
     steady = local.visible_devices("steady")[0]
-    latched = next(i for i in range(8) if local.node_file.uuids[i] != steady)
+    latched = next(i for i in range(8) if local.node_file.uuids[i] not in {steady, *FAULTED})
     local.signals(latched, xid_events=[79])
     local.wait_gpus(7)
     local.wait_annotation(latched, lambda a: a["state"] == "Unhealthy")
