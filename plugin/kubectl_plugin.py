@@ -3,6 +3,9 @@
 Installed as the executable ``kubectl-gpu_health``; kubectl runs it for ``kubectl gpu-health``. It asks ``kubectl``
 itself for the nodes (``kubectl get nodes -o json``), so every kubeconfig, context and credential plugin works as it
 does for kubectl. ``--from-file`` reads a saved node list instead (``kubectl get nodes -o json > nodes.json``).
+
+``kubectl gpu-health fleet`` (``fleet`` as the first word) is the fleet controller's view instead: the nodes it
+quarantined and its circuit breaker, from the nodes and its Lease (plugin/controller/fleetview.py).
 """
 
 from __future__ import annotations
@@ -17,17 +20,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from plugin.controller import fleetview
+from plugin.controller.nodes import CONTROLLER
 from plugin.health.reasons import State
 from plugin.outlets.annotations import STATE_KEY, DeviceEntry, parse_node
 from plugin.outlets.kubecommon import DEFAULT_PREFIX
-from plugin.validation import check_prefix
+from plugin.validation import check_prefix, is_dns_subdomain
 
 STATES = tuple(s.value for s in State)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kubectl gpu-health",
-                                description="GPU device health of every node, from the plugin's node annotations.")
+                                description="GPU device health of every node, from the plugin's node annotations.",
+                                epilog="kubectl gpu-health fleet: the nodes the fleet controller quarantined and its "
+                                       "circuit breaker (see kubectl gpu-health fleet --help).")
     p.add_argument("--node", "-n", action="append", default=[], metavar="NAME",
                    help="only nodes matching this name or glob (repeatable)")
     p.add_argument("--state", "-s", action="append", default=[], metavar="STATE",
@@ -44,6 +51,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def build_fleet_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kubectl gpu-health fleet",
+                                description="Nodes the fleet controller quarantined, why and since when, and its "
+                                            "circuit breaker, from the nodes and the controller's Lease.")
+    p.add_argument("--namespace", default=fleetview.DEFAULT_NAMESPACE,
+                   help=f"namespace of the controller's Lease (default {fleetview.DEFAULT_NAMESPACE})")
+    p.add_argument("--lease", default=fleetview.DEFAULT_LEASE,
+                   help=f"name of the controller's Lease (default {fleetview.DEFAULT_LEASE})")
+    p.add_argument("--output", "-o", choices=("table", "json"), default="table")
+    p.add_argument("--all", action="store_true",
+                   help="also list GPU nodes not quarantined but not Healthy (or with a capacity gap) as candidates")
+    p.add_argument("--prefix", default=os.environ.get("GPU_HEALTH_ANNOTATION_PREFIX", DEFAULT_PREFIX),
+                   help=f"annotation prefix of the plugin and the controller (default {DEFAULT_PREFIX})")
+    p.add_argument("--kubeconfig", default=None, help="passed to kubectl")
+    p.add_argument("--context", default=None, help="passed to kubectl")
+    p.add_argument("--kubectl", default=os.environ.get("KUBECTL", "kubectl"), help="kubectl to run (env KUBECTL)")
+    p.add_argument("--from-file", type=Path, default=None, metavar="FILE",
+                   help="read the node list (kubectl get nodes -o json) from FILE ('-' for stdin) instead")
+    p.add_argument("--lease-file", type=Path, default=None, metavar="FILE",
+                   help="read the Lease (kubectl get lease -n NS NAME -o json) from FILE ('-' for stdin) instead; "
+                        "an empty file is a missing Lease")
+    return p
+
+
 def _states(values: list[str]) -> set[str]:
     out: set[str] = set()
     by_lower = {s.lower(): s for s in STATES}
@@ -57,38 +88,55 @@ def _states(values: list[str]) -> set[str]:
     return out
 
 
-def _nodes(args: argparse.Namespace) -> list[dict[str, Any]]:
-    if args.from_file is not None:
-        source = "--from-file -: stdin" if str(args.from_file) == "-" else f"--from-file {args.from_file}"
-        try:
-            text = sys.stdin.read() if str(args.from_file) == "-" else args.from_file.read_text()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise RuntimeError(f"{source}: cannot read: {exc}") from None
-    else:
-        cmd = [args.kubectl, "get", "nodes", "-o", "json"]
-        if args.selector:
-            cmd += ["-l", args.selector]
-        if args.kubeconfig:
-            cmd += ["--kubeconfig", args.kubeconfig]
-        if args.context:
-            cmd += ["--context", args.context]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise RuntimeError(f"cannot run {args.kubectl}: {exc}") from None
-        if proc.returncode != 0:
-            raise RuntimeError(f"kubectl get nodes failed: {proc.stderr.strip()}")
-        text = proc.stdout
-        source = f"{args.kubectl} get nodes -o json"
+class BadInput(RuntimeError):
+    """An input that is not what it should be (unreadable, not JSON, not the right kind of object)."""
+
+
+def _read_file(path: Path, flag: str) -> tuple[str, str]:
+    """The text of a saved input, and how to name it in an error."""
+    source = f"{flag} -: stdin" if str(path) == "-" else f"{flag} {path}"
     try:
-        doc = json.loads(text)
+        return (sys.stdin.read() if str(path) == "-" else path.read_text()), source
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BadInput(f"{source}: cannot read: {exc}") from None
+
+
+def _kubectl(args: argparse.Namespace, words: list[str], what: str) -> str:
+    cmd = [args.kubectl, *words]
+    if args.kubeconfig:
+        cmd += ["--kubeconfig", args.kubeconfig]
+    if args.context:
+        cmd += ["--context", args.context]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise RuntimeError(f"cannot run {args.kubectl}: {exc}") from None
+    if proc.returncode != 0:
+        raise RuntimeError(f"kubectl {what} failed: {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def _json(text: str, source: str, what: str) -> Any:
+    try:
+        return json.loads(text)
     except json.JSONDecodeError as exc:
         # Which input, and where in it: a node list saved by hand is often truncated or not JSON at all.
-        raise RuntimeError(f"{source}: not a JSON node list: {exc.msg} at line {exc.lineno} column {exc.colno}"
-                           ) from None
+        raise BadInput(f"{source}: not a JSON {what}: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+
+
+def _nodes(args: argparse.Namespace, selector: str = "") -> list[dict[str, Any]]:
+    if args.from_file is not None:
+        text, source = _read_file(args.from_file, "--from-file")
+    else:
+        words = ["get", "nodes", "-o", "json"]
+        if selector:
+            words += ["-l", selector]
+        text = _kubectl(args, words, "get nodes")
+        source = f"{args.kubectl} get nodes -o json"
+    doc = _json(text, source, "node list")
     items = doc.get("items", [doc]) if isinstance(doc, dict) else []
     if not isinstance(items, list):
-        raise RuntimeError(f"{source}: not a node list: 'items' is not a list")
+        raise BadInput(f"{source}: not a node list: 'items' is not a list")
     return [n for n in items if isinstance(n, dict) and n.get("kind", "Node") == "Node"]
 
 
@@ -126,12 +174,81 @@ def render_table(entries: list[DeviceEntry]) -> str:
                      for r in rows)
 
 
+def _lease(args: argparse.Namespace) -> tuple[dict[str, Any] | None, str | None]:
+    """The controller's Lease, or None and why it was not read (None as well: it does not exist)."""
+    where = f"{args.namespace}/{args.lease}"
+    if args.lease_file is not None:
+        text, source = _read_file(args.lease_file, "--lease-file")
+    elif args.from_file is not None:
+        # Saved nodes with a live Lease would mix two moments; offline means offline.
+        return None, f"lease {where} not read: nodes from --from-file, no --lease-file"
+    else:
+        words = ["get", "lease", "-n", args.namespace, args.lease, "-o", "json", "--ignore-not-found"]
+        try:
+            text = _kubectl(args, words, "get lease")
+        except RuntimeError as exc:
+            # The node table is still worth showing to someone who may not read Leases.
+            return None, " ".join(str(exc).split())
+        source = f"{args.kubectl} get lease -n {args.namespace} {args.lease} -o json"
+    if not text.strip():  # what --ignore-not-found prints for a missing Lease
+        return None, None
+    doc = _json(text, source, "Lease")
+    if isinstance(doc, dict) and doc.get("kind") == "List" and isinstance(doc.get("items"), list):
+        items = doc["items"]
+        if not items:
+            return None, None
+        doc = items[0]
+    if not isinstance(doc, dict) or doc.get("kind", "Lease") != "Lease":
+        kind = doc.get("kind") if isinstance(doc, dict) else type(doc).__name__
+        raise BadInput(f"{source}: not a Lease: kind {kind!r}")
+    return doc, None
+
+
+def fleet_main(argv: Sequence[str]) -> int:
+    args = build_fleet_parser().parse_args(argv)
+    try:
+        prefix = check_prefix(args.prefix)
+        if not is_dns_subdomain(args.namespace) or "." in args.namespace or len(args.namespace) > 63:
+            raise ValueError(f"--namespace: expected a namespace name (a lower-case DNS label), got {args.namespace!r}")
+        if not is_dns_subdomain(args.lease):
+            raise ValueError(f"--lease: expected a Lease name (a lower-case DNS subdomain), got {args.lease!r}")
+        if str(args.from_file) == "-" and str(args.lease_file) == "-":
+            raise ValueError("--lease-file -: stdin is already read by --from-file -")
+        nodes = _nodes(args)
+        lease, unavailable = _lease(args)
+    except (ValueError, BadInput) as exc:
+        print(f"kubectl gpu-health fleet: {exc}", file=sys.stderr)
+        return 2
+    except (RuntimeError, OSError) as exc:
+        print(f"kubectl gpu-health fleet: {exc}", file=sys.stderr)
+        return 1
+    flags = [*(["--kubeconfig", args.kubeconfig] if args.kubeconfig else []),
+             *(["--context", args.context] if args.context else [])]
+    view = fleetview.fleet(nodes, lease, namespace=args.namespace, lease_name=args.lease, prefix=prefix,
+                           include_candidates=args.all, lease_unavailable=unavailable, kubectl_flags=flags)
+    if args.output == "json":
+        print(json.dumps(fleetview.to_json(view), indent=2))
+        return 0
+    print(fleetview.header(view))
+    if (why := fleetview.breaker_reason(view)) is not None:
+        print(f"breaker reason: {why}")
+    print()
+    if view.rows:
+        print(fleetview.render_table(view.rows))
+    else:
+        print(f"No nodes quarantined by {CONTROLLER}{' and no candidates' if args.all else ''}.")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words[:1] == ["fleet"]:
+        return fleet_main(words[1:])
+    args = build_parser().parse_args(words)
     try:
         prefix = check_prefix(args.prefix)
         states = _states(args.state)
-        entries, silent = collect(_nodes(args), prefix, args.node, states)
+        entries, silent = collect(_nodes(args, args.selector), prefix, args.node, states)
     except (ValueError, RuntimeError, OSError) as exc:
         print(f"kubectl gpu-health: {exc}", file=sys.stderr)
         return 1

@@ -116,3 +116,16 @@ def check_condition_type(v: str) -> str:
     if v in KUBELET_CONDITIONS:
         raise ValueError(f"{v!r} belongs to the kubelet or the cloud provider; pick a type of our own")
     return v
+
+
+class Choice:
+    """A config value parser for one of a fixed set of words; the set is kept so ``--help`` can list it. Shared by
+    the plugin's and the fleet controller's options."""
+
+    def __init__(self, *options: str) -> None:
+        self.options = options
+
+    def __call__(self, v: Any) -> str:
+        if v not in self.options:
+            raise ValueError(f"expected one of {', '.join(self.options)}, got {v!r}")
+        return str(v)

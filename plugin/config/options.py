@@ -17,6 +17,7 @@ from typing import Any
 from plugin.health.config import HealthConfig
 from plugin.kubelet.sharing import MIG_STRATEGIES, SharingConfig
 from plugin.validation import (
+    Choice,
     FieldError,
     check_condition_type,
     check_node_name,
@@ -55,16 +56,6 @@ def _int_pos(v: Any) -> int:
     return n
 
 
-class _Choice:
-    """A parser for one of a fixed set of words; the set is kept so --help can list it."""
-
-    def __init__(self, *options: str) -> None:
-        self.options = options
-
-    def __call__(self, v: Any) -> str:
-        if v not in self.options:
-            raise ValueError(f"expected one of {', '.join(self.options)}, got {v!r}")
-        return str(v)
 
 
 def _path(v: Any) -> Path:
@@ -143,7 +134,7 @@ class Option:
 
     @property
     def choices(self) -> tuple[str, ...]:
-        return self.parse.options if isinstance(self.parse, _Choice) else ()
+        return self.parse.options if isinstance(self.parse, Choice) else ()
 
 
 _SPEC = "option"
@@ -166,7 +157,7 @@ def _spec(parse: Callable[[Any], Any], help: str, metavar: str = "",
 @dataclass(frozen=True)
 class Config:
     backend: str = field(default="nvml", metadata=_spec(
-        _Choice("nvml", "simulated"), "where device readings come from"))
+        Choice("nvml", "simulated"), "where device readings come from"))
     simulated_node: Path | None = field(default=None, metadata=_spec(
         _opt_path, "node description for the simulated backend (JSON); the built-in 8-GPU node when unset", "FILE"))
     device_plugin_dir: Path = field(default=Path("/var/lib/kubelet/device-plugins"), metadata=_spec(
@@ -180,7 +171,7 @@ class Config:
     resource_name: str = field(default="nvidia.com/gpu", metadata=_spec(
         _resource, "extended resource advertised to the kubelet", "NAME"))
     mig_strategy: str = field(default="none", metadata=_spec(
-        _Choice(*MIG_STRATEGIES), "MIG devices: none (GPUs whole), single (MIG devices as the resource above) or "
+        Choice(*MIG_STRATEGIES), "MIG devices: none (GPUs whole), single (MIG devices as the resource above) or "
         "mixed (one resource per profile, e.g. nvidia.com/mig-1g.10gb)"))
     cdi: bool = field(default=False, metadata=_spec(
         parse_bool, "also return CDI device names (nvidia.com/gpu=<uuid>) from Allocate"))
@@ -192,9 +183,9 @@ class Config:
     fail_on_init_error: bool = field(default=True, metadata=_spec(
         parse_bool, "exit non-zero when NVML cannot start; false keeps serving with no healthy devices"))
     log_format: str = field(default="text", metadata=_spec(
-        _Choice("text", "json"), "log line format"))
+        Choice("text", "json"), "log line format"))
     log_level: str = field(default="info", metadata=_spec(
-        _Choice("debug", "info", "warning", "error"), "log verbosity"))
+        Choice("debug", "info", "warning", "error"), "log verbosity"))
     metrics_address: str = field(default="0.0.0.0:9402", metadata=_spec(
         _listen_address, "HOST:PORT serving /metrics, /healthz and /readyz; off disables", "HOST:PORT"))
     stall_threshold: float = field(default=60.0, metadata=_spec(
@@ -208,7 +199,7 @@ class Config:
     annotate_pods: bool = field(default=False, metadata=_spec(
         parse_bool, "also annotate pods holding a failing device"))
     remediate: str = field(default="none", metadata=_spec(
-        _Choice("none", "evict"), "evict: evict pods holding a failing device through the eviction API "
+        Choice("none", "evict"), "evict: evict pods holding a failing device through the eviction API "
         "(PodDisruptionBudgets apply)"))
     # Cluster reporting (plugin/outlets/kube.py, docs/annotations.md). Reporting is on when a node name is known.
     node_name: str = field(default="", metadata=_spec(

@@ -31,7 +31,7 @@ import ssl
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -105,7 +105,7 @@ class KubeClient:
     config, or a kubeconfig file outside. Safe to share between threads (one request at a time)."""
 
     def __init__(self, kubeconfig: Path | None = None, timeout_s: float = 10.0,
-                 service_account: Path = SERVICE_ACCOUNT) -> None:
+                 service_account: Path = SERVICE_ACCOUNT, component: str = COMPONENT) -> None:
         try:
             if kubeconfig is not None:
                 self._target = _from_kubeconfig(Path(kubeconfig).expanduser())
@@ -116,8 +116,10 @@ class KubeClient:
             detail = str(exc) if isinstance(exc, _ConfigError) else f"{type(exc).__name__}: {exc}"
             raise ApiFailure(None, f"cannot configure a Kubernetes client from {where}: {_one_line(detail)}") from None
         self._timeout_s = timeout_s
+        self._component = component  # our User-Agent and field manager
         self._lock = threading.Lock()
         self._conn: http.client.HTTPConnection | None = None
+        self._watches: set[http.client.HTTPConnection] = set()
 
     # The calls ------------------------------------------------------------------------------------------------
 
@@ -163,30 +165,89 @@ class KubeClient:
 
     def close(self) -> None:
         """Close the connection without waiting: a request in flight on another thread (a stopping outlet's) fails
-        at once instead of holding the caller for up to the timeout."""
+        at once instead of holding the caller for up to the timeout. Open watches end too."""
+        for conn in list(self._watches):
+            _shut(conn)
         if self._lock.acquire(blocking=False):
             try:
                 self._drop()
             finally:
                 self._lock.release()
             return
-        conn = self._conn
-        sock = conn.sock if conn is not None else None
-        if sock is not None:
+        if self._conn is not None:
+            _shut(self._conn)  # wakes the thread blocked on it, which then drops the connection
+
+    def request(self, method: str, path: str, body: Any = None, content_type: str | None = None,
+                query: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """Any other call, for a client (the fleet controller) that builds its own: the decoded JSON answer, or
+        :class:`ApiFailure`."""
+        return self._request(method, path, body, content_type, query)
+
+    def watch(self, path: str, query: Mapping[str, str], read_timeout_s: float) -> Iterator[dict[str, Any]]:
+        """A watch: the events of ``GET path?watch=1&...`` one by one, on a connection of its own (a watch holds its
+        connection for minutes; the calls must not queue behind it). Ends when the server ends the stream; a
+        failure to connect or a non-2xx answer is :class:`ApiFailure`, and so is a broken stream. ``close()`` from
+        another thread ends it."""
+        import http.client
+
+        t = self._target
+        url = t.prefix + path + "?" + urlencode({**query, "watch": "1"})
+        headers = {"Accept": "application/json", "User-Agent": self._component}
+        auth = t.auth.header()
+        if auth:
+            headers["Authorization"] = auth
+        conn: http.client.HTTPConnection
+        if t.tls is None:
+            conn = http.client.HTTPConnection(t.host, t.port, timeout=read_timeout_s)
+        else:
+            conn = http.client.HTTPSConnection(t.host, t.port, timeout=read_timeout_s, context=t.tls)
+        with self._lock:
+            self._watches.add(conn)
+        try:
             try:
-                sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked on it, which then drops the connection
-            except OSError:
-                pass
+                conn.request("GET", url, headers=headers)
+                resp = conn.getresponse()
+            except Exception as exc:
+                raise ApiFailure(None, f"{type(exc).__name__}: {_one_line(str(exc))}") from None
+            if not 200 <= resp.status < 300:
+                if resp.status == 401:
+                    t.auth.reread()
+                data = resp.read()
+                raise ApiFailure(resp.status, _status_message(data) or resp.reason or "no reason given",
+                                 _seconds(resp.getheader("Retry-After")))
+            while True:
+                try:
+                    line = resp.readline()
+                except Exception as exc:
+                    raise ApiFailure(None, f"watch stream broke: {type(exc).__name__}: {_one_line(str(exc))}") \
+                        from None
+                if not line:
+                    return
+                if line.strip():
+                    try:
+                        event = json.loads(line)
+                    except ValueError:
+                        raise ApiFailure(None, "watch stream broke: a line that is not JSON") from None
+                    if isinstance(event, dict):
+                        yield event
+        finally:
+            with self._lock:
+                self._watches.discard(conn)
+            conn.close()
 
     # HTTP -----------------------------------------------------------------------------------------------------
 
-    def _request(self, method: str, path: str, body: Any = None, content_type: str | None = None) -> dict[str, Any]:
+    def _request(self, method: str, path: str, body: Any = None, content_type: str | None = None,
+                 query: Mapping[str, str] | None = None) -> dict[str, Any]:
         t = self._target
         url = t.prefix + path
+        params = dict(query or {})
         if method != "GET":
-            url += "?" + urlencode({"fieldManager": COMPONENT})
+            params["fieldManager"] = self._component
+        if params:
+            url += "?" + urlencode(params)
         payload = json.dumps(body, separators=(",", ":")).encode() if body is not None else None
-        headers = {"Accept": "application/json", "User-Agent": COMPONENT}
+        headers = {"Accept": "application/json", "User-Agent": self._component}
         if content_type:
             headers["Content-Type"] = content_type
         try:
@@ -416,6 +477,15 @@ def _node_view(doc: dict[str, Any]) -> NodeView:
     return NodeView(name=meta.get("name") or "", uid=meta.get("uid") or "",
                     resource_version=meta.get("resourceVersion") or "",
                     annotations=dict(meta.get("annotations") or {}), conditions=[dict(c) for c in conditions])
+
+
+def _shut(conn: http.client.HTTPConnection) -> None:
+    sock = conn.sock
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
 
 def _closed_by_peer(conn: http.client.HTTPConnection) -> bool:

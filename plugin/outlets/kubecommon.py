@@ -40,10 +40,11 @@ class Involved:
 
 
 def event_body(involved: Involved, namespace: str, *, reason: str, type_: str, message: str, count: int,
-               first: float, last: float, host: str, stem: str | None = None) -> dict[str, Any]:
+               first: float, last: float, host: str, stem: str | None = None,
+               component: str = COMPONENT) -> dict[str, Any]:
     """A core/v1 Event in ``namespace`` about ``involved``: ``kubectl describe`` on that object lists it. ``first``
     and ``last`` are wall-clock seconds; ``host`` is the node we run on (empty when unknown); ``stem`` starts the
-    generated name (the object's name unless given)."""
+    generated name (the object's name unless given); ``component`` is who reports it (the plugin unless given)."""
     ref: dict[str, str] = {"apiVersion": "v1", "kind": involved.kind}
     if involved.namespace:
         ref["namespace"] = involved.namespace
@@ -62,9 +63,9 @@ def event_body(involved: Involved, namespace: str, *, reason: str, type_: str, m
         "count": count,
         "firstTimestamp": rfc3339(first),
         "lastTimestamp": rfc3339(last),
-        "source": {"component": COMPONENT, **({"host": host} if host else {})},
-        "reportingComponent": COMPONENT,
-        "reportingInstance": host or COMPONENT,
+        "source": {"component": component, **({"host": host} if host else {})},
+        "reportingComponent": component,
+        "reportingInstance": host or component,
     }
 
 

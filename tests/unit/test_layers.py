@@ -23,6 +23,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("kubelet", ("plugin.kubelet",)),
     ("outlets", ("plugin.outlets",)),
     ("config", ("plugin.config",)),
+    ("controller", ("plugin.controller",)),
     ("app", ("plugin.app", "plugin.startup", "plugin.devtools")),
     ("cli", ("plugin.cli", "plugin.kubectl_plugin", "plugin.__main__")),
 )
@@ -35,8 +36,11 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "kubelet": _BELOW_KUBELET,
     "outlets": _BELOW_KUBELET,
     "config": _BELOW_KUBELET | {"kubelet"},
+    # The fleet controller is a program of its own beside the node agent: the API client and metrics of the
+    # outlets, the reason names of health, nothing of the kubelet side or of the agent's config and app.
+    "controller": _BELOW_KUBELET | {"outlets"},
     "app": _BELOW_KUBELET | {"kubelet", "outlets", "config"},
-    "cli": _BELOW_KUBELET | {"kubelet", "outlets", "config", "app"},
+    "cli": _BELOW_KUBELET | {"kubelet", "outlets", "config", "app", "controller"},
 }
 
 

@@ -52,3 +52,28 @@ def test_the_base_is_what_users_apply(rendered: dict[str, list[dict[str, Any]]],
     ours = {(o["kind"], o["metadata"]["name"]): o for o in rendered["local-cluster"]}
     assert set(users) == set(ours)
     assert [k for k in users if users[k] != ours[k]] == [("DaemonSet", NAME)]
+
+
+def test_the_local_controller_overlay_adds_only_the_controller_and_points_it_at_the_cluster(
+        kubectl: Path, tmp_path: Path) -> None:
+    from plugin.controller.config import load
+
+    objs = render(kubectl, MANIFESTS / "overlays" / "local-cluster-controller")
+    for obj in objs:
+        kubernetes_validate.validate(obj, KUBE_VERSIONS[-1], strict=True)
+    # Applied next to a plugin overlay, it must change none of the plugin's objects.
+    assert not {(o["kind"], o["metadata"]["name"]) for o in objs} & {
+        (o["kind"], o["metadata"]["name"]) for o in render(kubectl, MANIFESTS / "overlays" / "local-cluster")}
+    deploy = find(objs, "Deployment", "gpu-health-controller")
+    spec = deploy["spec"]["template"]["spec"]
+    assert deploy["spec"]["replicas"] == 1 and spec["hostNetwork"] is True
+    assert {"key": "gpu-health.io/quarantine", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+    c = spec["containers"][0]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert (env["KUBERNETES_SERVICE_HOST"], env["KUBERNETES_SERVICE_PORT"]) == ("127.0.0.1", str(lc.API_PORT))
+    assert c["image"] == "localhost/gpu-health-device-plugin:0.1.0"
+    config = tmp_path / "config.yaml"
+    config.write_text(find(objs, "ConfigMap", "gpu-health-controller-config")["data"]["config.yaml"])
+    cfg = load([a.replace("/etc/gpu-health-controller/config.yaml", str(config)) for a in c["args"]],
+               environ={"POD_NAME": "x"})
+    assert cfg.recovery_hold_s == 5.0

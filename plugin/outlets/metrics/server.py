@@ -16,9 +16,9 @@ import socketserver
 import threading
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 from plugin.outlets.metrics.exposition import Collector, choose_encoder
-from plugin.outlets.metrics.probes import Probes
 from plugin.validation import split_host_port
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,14 @@ _PHRASES = {100: "Continue", 200: "OK", 400: "Bad Request", 404: "Not Found", 41
             503: "Service Unavailable", 505: "HTTP Version Not Supported"}
 _DAYS = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
 _MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
+
+
+class ProbeSource(Protocol):
+    """What answers ``/healthz`` and ``/readyz``: the plugin's :class:`~plugin.outlets.metrics.probes.Probes`, or the
+    fleet controller's own."""
+
+    def liveness(self) -> tuple[bool, str]: ...
+    def readiness(self) -> tuple[bool, str]: ...
 
 
 def http_date(now: float | None = None) -> str:
@@ -266,7 +274,7 @@ class _Server(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True  # a restarted plugin rebinds while the old connections sit in TIME_WAIT
 
-    def __init__(self, address: tuple[str, int], registry: Collector, probes: Probes) -> None:
+    def __init__(self, address: tuple[str, int], registry: Collector, probes: ProbeSource) -> None:
         self.registry = registry
         self.probes = probes
         self._lock = threading.Lock()
@@ -302,7 +310,7 @@ class _Server6(_Server):
 class MetricsServer:
     """Serves the registry and the probes on ``HOST:PORT`` in its own threads; port 0 picks a free port."""
 
-    def __init__(self, address: str, registry: Collector, probes: Probes) -> None:
+    def __init__(self, address: str, registry: Collector, probes: ProbeSource) -> None:
         host, port = split_host_port(address)
         self.requested = (host, port)
         self.registry = registry

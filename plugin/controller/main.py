@@ -1,0 +1,115 @@
+"""``gpu-health-controller``: wire the config, the API client, the elector, the watcher, the reconciler and the
+metrics together, and run until SIGTERM or SIGINT (exit 0, the Lease handed back)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from types import FrameType
+
+from plugin import logs
+from plugin.controller.api import KubeControllerApi
+from plugin.controller.config import ControllerConfig, parse_or_exit
+from plugin.controller.leader import LeaderElector
+from plugin.controller.metrics import ControllerCollector, ControllerProbes
+from plugin.controller.nodes import CONTROLLER, Keys
+from plugin.controller.policy import Rules
+from plugin.controller.reconciler import Reconciler, Settings
+from plugin.controller.watcher import NodeWatcher
+from plugin.outlets.kubeapi import ApiFailure, KubeClient
+
+log = logging.getLogger("plugin.controller")
+
+
+def settings_of(cfg: ControllerConfig) -> Settings:
+    return Settings(
+        keys=Keys(cfg.annotation_prefix),
+        rules=Rules(unhealthy_devices=cfg.unhealthy_devices, unhealthy_fraction=cfg.unhealthy_fraction,
+                    reboot_required=cfg.reboot_required, capacity_gap=cfg.capacity_gap),
+        recovery_hold_s=cfg.recovery_hold_s, no_execute_after_s=cfg.no_execute_after_s, cordon=cfg.cordon,
+        label=cfg.quarantine_label, drain=cfg.drain, drain_per_minute=cfg.drain_per_minute,
+        max_quarantined_fraction=cfg.max_quarantined_fraction, dry_run=cfg.dry_run, reset_breaker=cfg.reset_breaker,
+        namespace=cfg.namespace, lease_name=cfg.lease_name, identity=cfg.identity)
+
+
+class Controller:
+    """The running controller; tests and benchmarks start it in-process the same way main() does."""
+
+    def __init__(self, cfg: ControllerConfig) -> None:
+        self.cfg = cfg
+        # Three connections: the watch holds its own; the Lease renewals must never queue behind a slow write.
+        def client() -> KubeControllerApi:
+            return KubeControllerApi(KubeClient(cfg.kubeconfig, component=CONTROLLER))
+
+        self.work_api = client()
+        self.lease_api = client()
+        self.watch_api = client()
+        self.reconciler: Reconciler
+        self.leader = LeaderElector(self.lease_api, cfg.namespace, cfg.lease_name, cfg.identity,
+                                    lease_duration_s=cfg.lease_duration_s, renew_deadline_s=cfg.renew_deadline_s,
+                                    retry_period_s=cfg.retry_period_s,
+                                    on_change=lambda leading: self.reconciler.leadership_changed(leading),
+                                    on_annotations=lambda: self.reconciler.lease_changed())
+        self.reconciler = Reconciler(self.work_api, settings_of(cfg), self.leader)
+        self.watcher = NodeWatcher(self.watch_api, cfg.node_selector, self.reconciler,
+                                   resync_s=cfg.resync_interval_s)
+        self.metrics = None
+        if cfg.metrics_address != "off":
+            from plugin.outlets.metrics.exposition import Registry
+            from plugin.outlets.metrics.process import ProcessCollector
+            from plugin.outlets.metrics.server import MetricsServer
+
+            registry = Registry()
+            registry.register(ControllerCollector(self.reconciler, self.watcher, self.leader))
+            registry.register(ProcessCollector())
+            self.metrics = MetricsServer(cfg.metrics_address, registry, ControllerProbes(self.reconciler,
+                                                                                         self.watcher))
+
+    def start(self) -> None:
+        if self.metrics is not None:
+            self.metrics.start()
+        self.watcher.start()
+        self.reconciler.start()
+        self.leader.start()
+        mode = " (dry run: Events only)" if self.cfg.dry_run else ""
+        log.info("gpu-health-controller %s started%s: lease %s/%s, selector %r, breaker limit %.0f%%",
+                 self.cfg.identity, mode, self.cfg.namespace, self.cfg.lease_name, self.cfg.node_selector,
+                 self.cfg.max_quarantined_fraction * 100)
+
+    def stop(self) -> None:
+        self.reconciler.stop()
+        self.leader.stop(release=True)
+        self.watcher.stop()
+        if self.metrics is not None:
+            self.metrics.stop()
+        for api in (self.work_api, self.lease_api):
+            api.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg = parse_or_exit(list(sys.argv[1:] if argv is None else argv))
+    logs.setup(cfg.log_level, cfg.log_format)
+    try:
+        controller = Controller(cfg)
+    except ApiFailure as exc:
+        print(f"gpu-health-controller: error: {exc.message}", file=sys.stderr)
+        return 2
+    done = threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info("signal %d: stopping", signum)
+        done.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    controller.start()
+    done.wait()
+    controller.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""What the controller keeps of a Node: the few facts its rules and its patches need, read from the Node's JSON.
+
+A fleet of 5,000 Nodes is held in memory; each one's full JSON (status images, conditions, managed fields) is many
+kilobytes, so only these facts are kept. The annotations the node agent writes (docs/annotations.md) are parsed here
+once per change, never by the rules.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from plugin.health.reasons import Action, State
+
+GPU_RESOURCE = "nvidia.com/gpu"  # and every resource named after it: nvidia.com/gpu.shared, nvidia.com/mig-1g.10gb
+MIG_RESOURCE = "nvidia.com/mig-"
+CONTROLLER = "gpu-health-controller"  # our field manager, Event source, and the value of quarantined-by
+
+# What the controller can have added to a Node, as listed in its quarantine-owns annotation. Release removes these
+# and nothing else.
+OWN_TAINT = "taint"
+OWN_NO_EXECUTE = "noexecute"
+OWN_CORDON = "cordon"
+OWN_LABEL = "label"
+
+_DEVICE_KEY = re.compile(r"(gpu\.\d+(\.mig\.\d+\.\d+)?|dev\.[0-9a-f]{16})")
+_SUMMARY_TOTAL = re.compile(r": (\d+) devices? \(")
+
+
+@dataclass(frozen=True)
+class Keys:
+    """The annotation, taint and label keys under one prefix."""
+
+    prefix: str
+
+    @property
+    def state(self) -> str:
+        return f"{self.prefix}/state"
+
+    @property
+    def summary(self) -> str:
+        return f"{self.prefix}/summary"
+
+    @property
+    def taint(self) -> str:
+        return f"{self.prefix}/quarantine"
+
+    @property
+    def by(self) -> str:
+        return f"{self.prefix}/quarantined-by"
+
+    @property
+    def reason(self) -> str:
+        return f"{self.prefix}/quarantine-reason"
+
+    @property
+    def message(self) -> str:
+        return f"{self.prefix}/quarantine-message"
+
+    @property
+    def at(self) -> str:
+        return f"{self.prefix}/quarantined-at"
+
+    @property
+    def owns(self) -> str:
+        return f"{self.prefix}/quarantine-owns"
+
+    @property
+    def drained(self) -> str:
+        return f"{self.prefix}/quarantine-drained"
+
+    @property
+    def breaker(self) -> str:
+        return f"{self.prefix}/breaker"
+
+    @property
+    def breaker_reset(self) -> str:
+        return f"{self.prefix}/breaker-reset"
+
+    def ours(self) -> tuple[str, ...]:
+        """The Node annotations a quarantine writes, and its release removes."""
+        return (self.by, self.reason, self.message, self.at, self.owns, self.drained)
+
+
+@dataclass(frozen=True)
+class Device:
+    key: str  # the annotation key's name part: gpu.3, gpu.3.mig.1.0, dev.<hex>
+    gpu: str  # the physical GPU it belongs to: its own id, or a MIG device's parent
+    state: str
+    action: str
+    code: str  # the top reason's code, "" when healthy
+    since: float | None
+
+
+@dataclass(frozen=True)
+class Quarantine:
+    """A quarantine this controller applied, as its annotations record it."""
+
+    reason: str
+    at: float | None
+    owns: frozenset[str]
+    drained: bool
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    name: str
+    uid: str
+    resource_version: str
+    gpu_capacity: int
+    gpu_allocatable: int
+    annotated: bool  # the node agent's state annotation is there
+    node_state: str  # its value, "" when not annotated
+    devices: tuple[Device, ...]
+    device_total: int  # from the summary when entries were truncated, else len(gpus)
+    taints: tuple[Mapping[str, Any], ...]
+    unschedulable: bool
+    labels: Mapping[str, str]
+    quarantine: Quarantine | None  # ours, when quarantined-by names this controller
+    foreign_taint: bool  # our taint key present without our annotations (an operator's, or a lost record)
+
+    @property
+    def is_gpu_node(self) -> bool:
+        return self.gpu_capacity > 0 or self.annotated
+
+    def decision_key(self) -> tuple[object, ...]:
+        """Everything a decision depends on: a change of anything else (a heartbeat, an image list) needs none."""
+        return (self.gpu_capacity, self.gpu_allocatable, self.annotated, self.node_state, self.devices,
+                self.device_total, self.taints, self.unschedulable, tuple(sorted(self.labels.items())),
+                self.quarantine, self.foreign_taint)
+
+
+def parse_time(value: object) -> float | None:
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        return dt.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def gpu_count(resources: object) -> int:
+    """The GPUs in a capacity or allocatable map: every ``nvidia.com/gpu*`` and ``nvidia.com/mig-*`` resource. Only
+    plain integers count ("1k" and friends are not GPU counts anyone writes); anything else (a saved file a person
+    edited) counts as none."""
+    if not isinstance(resources, Mapping):
+        return 0
+    total = 0
+    for name, qty in resources.items():
+        if not isinstance(name, str) or not name.startswith((GPU_RESOURCE, MIG_RESOURCE)) or isinstance(qty, bool):
+            continue
+        try:
+            total += int(str(qty).strip())
+        except ValueError:
+            continue
+    return total
+
+
+def _device(name: str, raw: str) -> Device | None:
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(doc, dict):
+        return None
+    reasons = doc.get("reasons") or []
+    code = ""
+    if isinstance(reasons, list) and reasons and isinstance(reasons[0], dict):
+        code = str(reasons[0].get("code") or "")
+    ident = str(doc.get("id") or name)
+    return Device(key=name, gpu=str(doc.get("parent") or ident), state=str(doc.get("state") or ""),
+                  action=str(doc.get("action") or Action.NONE), code=code, since=parse_time(doc.get("since")))
+
+
+def facts_of(node: Mapping[str, Any], keys: Keys) -> NodeFacts:
+    meta = node.get("metadata") or {}
+    spec = node.get("spec") or {}
+    status = node.get("status") or {}
+    annotations: Mapping[str, str] = meta.get("annotations") or {}
+    prefix = keys.prefix + "/"
+    devices: list[Device] = []
+    for key, value in annotations.items():
+        if key.startswith(prefix) and _DEVICE_KEY.fullmatch(key[len(prefix):]):
+            d = _device(key[len(prefix):], value)
+            if d is not None:
+                devices.append(d)
+    devices.sort(key=lambda d: d.key)
+    gpus = {d.gpu for d in devices}
+    total = len(gpus)
+    m = _SUMMARY_TOTAL.search(annotations.get(keys.summary, ""))
+    if m and annotations.get(f"{keys.prefix}/truncated"):
+        total = max(total, int(m.group(1)))
+    taints = tuple(t for t in (spec.get("taints") or []) if isinstance(t, dict))
+    quarantine = None
+    if annotations.get(keys.by) == CONTROLLER:
+        owns = frozenset(x.strip() for x in annotations.get(keys.owns, "").split(",") if x.strip())
+        quarantine = Quarantine(reason=annotations.get(keys.reason, ""), at=parse_time(annotations.get(keys.at)),
+                                owns=owns, drained=bool(annotations.get(keys.drained)))
+    has_taint = any(t.get("key") == keys.taint for t in taints)
+    return NodeFacts(
+        name=str(meta.get("name") or ""), uid=str(meta.get("uid") or ""),
+        resource_version=str(meta.get("resourceVersion") or ""),
+        gpu_capacity=gpu_count(status.get("capacity")),
+        gpu_allocatable=gpu_count(status.get("allocatable")),
+        annotated=keys.state in annotations, node_state=str(annotations.get(keys.state, "")),
+        devices=tuple(devices), device_total=total, taints=taints, unschedulable=bool(spec.get("unschedulable")),
+        labels=dict(meta.get("labels") or {}), quarantine=quarantine,
+        foreign_taint=has_taint and quarantine is None,
+    )
+
+
+HEALTHY_STATES = (State.HEALTHY, State.DEGRADED)

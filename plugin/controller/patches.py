@@ -1,0 +1,94 @@
+"""The Node patches the controller writes, computed apart from writing them: quarantine, the later NoExecute taint,
+the drained mark, and the release that takes back exactly what the quarantine added.
+
+Every patch is a JSON merge patch that carries the ``resourceVersion`` its facts were read at. Taints are a list
+without a merge key, so a patch must send the whole list; the precondition makes the API server refuse it (409)
+when anyone (the node lifecycle controller, an operator) changed the Node in between, instead of dropping their
+taint. The caller then reads again and decides again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from plugin.controller.nodes import (
+    CONTROLLER,
+    OWN_CORDON,
+    OWN_LABEL,
+    OWN_NO_EXECUTE,
+    OWN_TAINT,
+    Keys,
+    NodeFacts,
+)
+
+NO_SCHEDULE = "NoSchedule"
+NO_EXECUTE = "NoExecute"
+
+
+def _has_taint(f: NodeFacts, key: str, effect: str) -> bool:
+    return any(t.get("key") == key and t.get("effect") == effect for t in f.taints)
+
+
+def split_label(label: str) -> tuple[str, str]:
+    key, _, value = label.partition("=")
+    return key, value
+
+
+def quarantine(f: NodeFacts, keys: Keys, *, reason: str, message: str, now: str, cordon: bool,
+               label: str) -> dict[str, Any]:
+    owns: list[str] = []
+    taints = [dict(t) for t in f.taints]
+    if not _has_taint(f, keys.taint, NO_SCHEDULE):
+        taints.append({"key": keys.taint, "value": reason, "effect": NO_SCHEDULE})
+        owns.append(OWN_TAINT)
+    spec: dict[str, Any] = {"taints": taints}
+    if cordon and not f.unschedulable:
+        spec["unschedulable"] = True
+        owns.append(OWN_CORDON)
+    meta: dict[str, Any] = {"resourceVersion": f.resource_version}
+    if label:
+        key, value = split_label(label)
+        if key not in f.labels:  # an operator's label of that key stays theirs
+            meta["labels"] = {key: value}
+            owns.append(OWN_LABEL)
+    meta["annotations"] = {keys.by: CONTROLLER, keys.reason: reason, keys.message: message, keys.at: now,
+                           keys.owns: ",".join(owns)}
+    return {"metadata": meta, "spec": spec}
+
+
+def no_execute(f: NodeFacts, keys: Keys, *, reason: str, now: str) -> dict[str, Any]:
+    """The NoExecute taint added after the grace period: pods without a toleration for it are evicted by the
+    taint manager."""
+    assert f.quarantine is not None
+    taints = [dict(t) for t in f.taints]
+    owns = set(f.quarantine.owns)
+    if not _has_taint(f, keys.taint, NO_EXECUTE):
+        taints.append({"key": keys.taint, "value": reason, "effect": NO_EXECUTE, "timeAdded": now})
+        owns.add(OWN_NO_EXECUTE)
+    return {"metadata": {"resourceVersion": f.resource_version,
+                         "annotations": {keys.owns: ",".join(sorted(owns))}},
+            "spec": {"taints": taints}}
+
+
+def drained(f: NodeFacts, keys: Keys, *, now: str) -> dict[str, Any]:
+    return {"metadata": {"resourceVersion": f.resource_version, "annotations": {keys.drained: now}}}
+
+
+def release(f: NodeFacts, keys: Keys, *, label: str) -> dict[str, Any]:
+    """Undo our quarantine: our taints, our cordon, our label, our annotations; nothing an operator set."""
+    q = f.quarantine
+    assert q is not None
+    drop = set()
+    if OWN_TAINT in q.owns:
+        drop.add(NO_SCHEDULE)
+    if OWN_NO_EXECUTE in q.owns:
+        drop.add(NO_EXECUTE)
+    taints = [dict(t) for t in f.taints if not (t.get("key") == keys.taint and t.get("effect") in drop)]
+    spec: dict[str, Any] = {"taints": taints}
+    if OWN_CORDON in q.owns and f.unschedulable:
+        spec["unschedulable"] = False
+    meta: dict[str, Any] = {"resourceVersion": f.resource_version,
+                            "annotations": dict.fromkeys(keys.ours())}
+    if OWN_LABEL in q.owns and label:
+        meta["labels"] = {split_label(label)[0]: None}
+    return {"metadata": meta, "spec": spec}

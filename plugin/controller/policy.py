@@ -1,0 +1,75 @@
+"""The quarantine rules: from one Node's facts, whether it should be out of service, why, and since when it has been
+fit to come back. Pure: no clock, no API; the reconciler supplies both.
+
+Rules, each naming its reason code (the taint's value):
+
+- ``reboot-required``: some device's recommended action is ``reboot-node`` (checked first: the heaviest remedy);
+- ``unhealthy-devices``: the count of GPUs with an Unhealthy device reaches ``unhealthy_devices``, or their share
+  of the node's GPUs reaches ``unhealthy_fraction``;
+- ``capacity-gap``: for a node without our annotations (the stock device plugin), capacity minus allocatable of
+  the ``nvidia.com/gpu*`` resources reaches ``capacity_gap``, the gap the kubelet opens for devices reported
+  unhealthy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from plugin.controller.nodes import HEALTHY_STATES, Device, NodeFacts
+from plugin.health.reasons import Action, State
+
+REBOOT_REQUIRED = "reboot-required"
+UNHEALTHY_DEVICES = "unhealthy-devices"
+CAPACITY_GAP = "capacity-gap"
+REASON_CODES = (REBOOT_REQUIRED, UNHEALTHY_DEVICES, CAPACITY_GAP)
+
+
+@dataclass(frozen=True)
+class Rules:
+    unhealthy_devices: int = 1  # 0: off
+    unhealthy_fraction: float = 0.0  # 0: off
+    reboot_required: bool = True
+    capacity_gap: int = 1  # 0: off
+
+
+@dataclass(frozen=True)
+class Assessment:
+    reason: str | None  # the first rule that fires, None when none does
+    message: str
+    fit: bool  # fit to be released: no rule fires and no device is Unhealthy or Unknown
+    fit_since: float | None  # when it became fit, when the annotations tell (the latest device ``since``)
+
+
+def assess(f: NodeFacts, rules: Rules) -> Assessment:
+    if f.annotated:
+        return _annotated(f, rules)
+    gap = max(0, f.gpu_capacity - f.gpu_allocatable)
+    if rules.capacity_gap and gap >= rules.capacity_gap:
+        return Assessment(CAPACITY_GAP, f"{gap} of {f.gpu_capacity} GPUs not allocatable (capacity minus "
+                                        f"allocatable, threshold {rules.capacity_gap})", False, None)
+    return Assessment(None, f"{f.gpu_allocatable} of {f.gpu_capacity} GPUs allocatable", True, None)
+
+
+def _annotated(f: NodeFacts, rules: Rules) -> Assessment:
+    if rules.reboot_required:
+        asking = [d for d in f.devices if d.action == Action.REBOOT_NODE and d.state != State.HEALTHY]
+        if asking:
+            return Assessment(REBOOT_REQUIRED, "reboot-node asked for by " + _list(asking), False, None)
+    bad = [d for d in f.devices if d.state == State.UNHEALTHY]
+    bad_gpus = len({d.gpu for d in bad})
+    total = max(f.device_total, bad_gpus)
+    fired = (rules.unhealthy_devices and bad_gpus >= rules.unhealthy_devices) or (
+        rules.unhealthy_fraction and total and bad_gpus / total >= rules.unhealthy_fraction)
+    if bad_gpus and fired:
+        return Assessment(UNHEALTHY_DEVICES, f"{bad_gpus} of {total} GPUs Unhealthy: " + _list(bad), False, None)
+    fit = f.node_state in HEALTHY_STATES and not bad and all(d.state in HEALTHY_STATES for d in f.devices)
+    since = None
+    if fit and f.devices and all(d.since is not None for d in f.devices):
+        since = max(d.since for d in f.devices if d.since is not None)
+    return Assessment(None, f"node state {f.node_state or 'unset'}, {len(bad)} Unhealthy devices", fit, since)
+
+
+def _list(devices: Sequence[Device], limit: int = 3) -> str:
+    shown = ", ".join(f"{d.key} {d.code or d.state}" for d in devices[:limit])
+    return shown + (f" (+{len(devices) - limit} more)" if len(devices) > limit else "")

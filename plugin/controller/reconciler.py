@@ -1,0 +1,557 @@
+"""The reconciler: the Node cache, the decisions and the writes.
+
+The watcher feeds Nodes in; each change that matters to a decision (not a heartbeat) marks the Node dirty. One
+worker thread takes dirty Nodes in the order they changed and, while this replica leads, decides for each: quarantine
+it (if the breaker allows), add the NoExecute taint once its grace is over, drain it, or release it once it has been
+fit for the recovery hold. Deadlines (a hold ending, a grace ending, a drain to look at again) sit in a heap and mark
+their Node dirty when due, so an idle fleet costs no work and no request.
+
+A write's answer goes into the cache at once, so counts (and the breaker) are exact before the watch echoes it; the
+echo, and any older event still in flight, is recognised by its resourceVersion and ignored. Every write carries
+the resourceVersion it was decided on; a 409 means the Node moved, and it is read again and decided again.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from plugin.backoff import Backoff
+from plugin.controller import patches
+from plugin.controller.api import ControllerApi
+from plugin.controller.breaker import Breaker, BreakerState
+from plugin.controller.nodes import CONTROLLER, OWN_NO_EXECUTE, Keys, NodeFacts, Quarantine, facts_of
+from plugin.controller.policy import Assessment, Rules, assess
+from plugin.outlets.kubeapi import ApiFailure
+from plugin.outlets.kubecommon import Involved, event_body, rfc3339
+
+log = logging.getLogger(__name__)
+
+EVENT_NAMESPACE = "default"  # where Node events go (the kubelet's choice): kubectl describe node lists them
+DRAIN_RECHECK_S = 10.0  # how often a drain looks again at pods it could not evict yet (a PDB said no)
+IDLE_WAKE_S = 60.0
+
+
+class Leadership(Protocol):
+    def is_leader(self) -> bool: ...
+    def annotations(self) -> dict[str, str]: ...
+    def seen_annotations(self) -> dict[str, str]: ...
+    def set_annotation(self, key: str, value: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class Settings:
+    keys: Keys
+    rules: Rules
+    recovery_hold_s: float = 600.0
+    no_execute_after_s: float = 0.0
+    cordon: bool = False
+    label: str = ""
+    drain: bool = False
+    drain_per_minute: float = 10.0
+    max_quarantined_fraction: float = 0.1
+    dry_run: bool = False
+    reset_breaker: bool = False
+    namespace: str = "gpu-health-system"  # the Lease's, for the breaker's Events
+    lease_name: str = "gpu-health-controller"
+    identity: str = ""
+
+
+@dataclass
+class Entry:
+    facts: NodeFacts
+    assessment: Assessment
+    fit_seen: float | None = None  # when we first saw it fit, if the annotations do not say
+    dry: Quarantine | None = None  # what --dry-run pretends it applied
+    drained_logged: bool = False
+    blocked_told: bool = False  # its GPUQuarantineBlocked Event went out (once while it waits)
+    refused: set[str] = field(default_factory=set)  # its pods a PodDisruptionBudget held back (429)
+
+
+@dataclass
+class Stats:
+    actions: dict[str, int] = field(default_factory=dict)
+    api_failures: dict[str, int] = field(default_factory=dict)
+    conflicts: int = 0
+    events_posted: int = 0
+    event_failures: int = 0
+    evictions_blocked: int = 0
+    last_error: str = ""
+
+    def count(self, table: dict[str, int], key: str) -> None:
+        table[key] = table.get(key, 0) + 1
+
+
+class Reconciler:
+    def __init__(self, api: ControllerApi, settings: Settings, leader: Leadership,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.api = api
+        self.s = settings
+        self.leader = leader
+        self.clock = clock
+        self.entries: dict[str, Entry] = {}
+        self.gpu_nodes: set[str] = set()
+        self.quarantined: set[str] = set()
+        self.candidates: set[str] = set()
+        self.breaker = Breaker(settings.max_quarantined_fraction)
+        self.stats = Stats()
+        self.synced = False
+        self.last_step_at = 0.0
+        self._dirty: dict[str, None] = {}  # an ordered set: decide in the order things changed
+        self._timers: list[tuple[float, str]] = []
+        self._cond = threading.Condition()
+        self._leading = False
+        self._poked = False
+        self._lease_events: list[dict[str, Any]] = []
+        self._breaker_written = ""
+        self._backoff = Backoff(1.0, 60.0)
+        self._eviction_at = 0.0  # when the drain rate allows the next eviction (over all nodes)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # The feed (watcher thread) ----------------------------------------------------------------------------------
+
+    def replace(self, nodes: list[dict[str, Any]]) -> None:
+        with self._cond:
+            seen = set()
+            for doc in nodes:
+                name = self._store(doc, force=True)
+                if name:
+                    seen.add(name)
+            for gone in [n for n in self.entries if n not in seen]:
+                self._forget(gone)
+            self.synced = True
+            self._cond.notify_all()
+
+    def upsert(self, node: dict[str, Any]) -> None:
+        with self._cond:
+            if self._store(node, force=False):
+                self._cond.notify_all()
+
+    def delete(self, node: dict[str, Any]) -> None:
+        with self._cond:
+            name = str((node.get("metadata") or {}).get("name") or "")
+            self._forget(name)
+            self._cond.notify_all()
+
+    def _store(self, doc: dict[str, Any], force: bool) -> str:
+        """Keep a Node's facts; mark it dirty when a decision may change. Returns its name when it was dirtied
+        (or, with ``force``, whenever it is known)."""
+        f = facts_of(doc, self.s.keys)
+        if not f.name:
+            return ""
+        old = self.entries.get(f.name)
+        if old is not None and not force and _older(f.resource_version, old.facts.resource_version):
+            return ""  # the echo of a write whose answer we already hold, or an older event still in flight
+        if old is not None and old.facts.decision_key() == f.decision_key():
+            old.facts = f  # only the version moved (a heartbeat): nothing to decide
+            return f.name if force else ""
+        a = assess(f, self.s.rules)
+        if old is None:
+            self.entries[f.name] = Entry(f, a)
+        else:
+            old.facts, old.assessment = f, a
+        self._count(f.name)
+        self._dirty[f.name] = None
+        return f.name
+
+    def _forget(self, name: str) -> None:
+        self.entries.pop(name, None)
+        self._dirty.pop(name, None)
+        for s in (self.gpu_nodes, self.quarantined, self.candidates):
+            s.discard(name)
+
+    def _count(self, name: str) -> None:
+        e = self.entries[name]
+        f = e.facts
+        if not f.is_gpu_node:
+            for s in (self.gpu_nodes, self.quarantined, self.candidates):
+                s.discard(name)
+            return
+        self.gpu_nodes.add(name)
+        q = f.quarantine is not None or e.dry is not None
+        (self.quarantined.add if q else self.quarantined.discard)(name)
+        (self.candidates.add if e.assessment.reason and not q else self.candidates.discard)(name)
+
+    # Leadership -------------------------------------------------------------------------------------------------
+
+    def leadership_changed(self, leading: bool) -> None:
+        with self._cond:
+            self._leading = leading
+            if leading:
+                # Whatever happened while another replica led (or nobody did), every Node is looked at once.
+                for name in self.gpu_nodes:
+                    self._dirty[name] = None
+                state = BreakerState.from_json(self.leader.seen_annotations().get(self._breaker_key))
+                self.breaker = Breaker(self.s.max_quarantined_fraction, state)
+                self._breaker_written = state.to_json()
+                if self.s.reset_breaker:
+                    self.breaker.reset(rfc3339(self.clock()), f"--reset-breaker at {rfc3339(self.clock())}")
+            self._cond.notify_all()
+
+    def lease_changed(self) -> None:
+        """The Lease's annotations changed (an operator's breaker reset): look at them now, not at the next wake."""
+        with self._cond:
+            self._poked = True
+            self._cond.notify_all()
+
+    @property
+    def _breaker_key(self) -> str:
+        # A dry run's breaker counts pretend quarantines: kept apart, so a real leader never starts from it.
+        return self.s.keys.breaker + ("-dry-run" if self.s.dry_run else "")
+
+    # The worker -------------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="reconcile", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(10.0)
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                deadline = self.step(self.clock())
+            except Exception:
+                log.exception("reconcile: unexpected error; retrying in 5s")
+                deadline = self.clock() + 5.0
+            with self._cond:
+                if not self._dirty and not self._poked and not self._stop.is_set():
+                    self._cond.wait(max(0.0, min(deadline - self.clock(), IDLE_WAKE_S)))
+                self._poked = False
+
+    def step(self, now: float) -> float:
+        """Decide for every dirty or due Node; return when a timer is next due."""
+        self.last_step_at = now
+        with self._cond:
+            while self._timers and self._timers[0][0] <= now:
+                _, name = heapq.heappop(self._timers)
+                if name in self.entries:
+                    self._dirty[name] = None
+            if not (self.synced and self._leading and self.leader.is_leader()):
+                self._dirty.clear()  # a new leader looks at everything anyway
+                return self._next_timer(now)
+            self._check_reset(now)
+            todo = list(self._dirty)
+            self._dirty.clear()
+        self._flush_lease_events()
+        for name in todo:
+            if not self.leader.is_leader():
+                break  # lost the Lease mid-batch: stop writing at once
+            try:
+                self._decide(name, now)
+                self._backoff.reset()
+            except ApiFailure as exc:
+                self._failed(name, exc, now)
+            self._flush_lease_events()
+        with self._cond:
+            self._settle(now)
+            # Work queued by this step (a re-read after a 409, candidates the closed breaker lets go) is due now.
+            due = now if self._dirty else self._next_timer(now)
+        self._flush_lease_events()
+        return due
+
+    def _next_timer(self, now: float) -> float:
+        return self._timers[0][0] if self._timers else now + IDLE_WAKE_S
+
+    def _at(self, due: float, name: str) -> None:
+        with self._cond:
+            heapq.heappush(self._timers, (due, name))
+
+    def _failed(self, name: str, exc: ApiFailure, now: float) -> None:
+        self.stats.last_error = f"{name}: {exc}"
+        if exc.status == 409:
+            self.stats.conflicts += 1
+            try:
+                node = self.api.get_node(name)
+            except ApiFailure as again:
+                self.stats.count(self.stats.api_failures, "get")
+                self._at(now + self._backoff.next_delay(again.retry_after), name)
+                return
+            with self._cond:
+                self._store(node, force=True)
+                self._dirty[name] = None
+            return
+        if exc.status == 404:
+            with self._cond:
+                self._forget(name)
+            return
+        delay = self._backoff.next_delay(exc.retry_after)
+        log.warning("reconcile %s: %s; trying again in %.1fs", name, exc, delay)
+        self._at(now + delay, name)
+
+    # Decisions --------------------------------------------------------------------------------------------------
+
+    def _decide(self, name: str, now: float) -> None:
+        with self._cond:
+            e = self.entries.get(name)
+            if e is None or not e.facts.is_gpu_node:
+                return
+            f, a = e.facts, e.assessment
+        q = f.quarantine or e.dry
+        if q is None:
+            e.fit_seen = None
+            if a.reason is None:
+                e.blocked_told = False
+                return
+            with self._cond:
+                allowed = self.breaker.allows(len(self.quarantined), len(self.gpu_nodes))
+            if allowed:
+                self._quarantine(e, a, now)
+                e.blocked_told = False
+                return
+            with self._cond:
+                self._trip(now)
+            if not e.blocked_told:
+                e.blocked_told = True
+                self._event(f, "GPUQuarantineBlocked", "Warning", f"not quarantined ({a.reason}: {a.message}): the "
+                            f"circuit breaker is open: {self.breaker.state.reason}", now)
+            return
+        if a.reason is not None:
+            e.fit_seen = None
+            if self.s.no_execute_after_s > 0 and OWN_NO_EXECUTE not in q.owns and e.dry is None:
+                due = (q.at or now) + self.s.no_execute_after_s
+                if now >= due:
+                    self._write(e, "noexecute", patches.no_execute(f, self.s.keys, reason=q.reason, now=rfc3339(now)))
+                else:
+                    self._at(due, name)
+            if self.s.drain and not q.drained and e.dry is None:
+                self._drain(e, now)
+            return
+        if not a.fit:
+            e.fit_seen = None  # Unknown, or still a bad device below the thresholds: the hold starts over
+            return
+        if e.fit_seen is None:
+            e.fit_seen = now
+        since = a.fit_since if a.fit_since is not None else e.fit_seen
+        due = since + self.s.recovery_hold_s
+        if now < due:
+            self._at(due, name)
+            return
+        self._release(e, now)
+
+    def _quarantine(self, e: Entry, a: Assessment, now: float) -> None:
+        f = e.facts
+        assert a.reason is not None
+        what = [f"taint {self.s.keys.taint}={a.reason}:NoSchedule"]
+        if self.s.cordon and not f.unschedulable:
+            what.append("cordon")
+        if self.s.label:
+            what.append(f"label {self.s.label}")
+        if self.s.dry_run:
+            e.dry = Quarantine(reason=a.reason, at=now, owns=frozenset(), drained=False)
+            with self._cond:
+                self._count(f.name)
+            self.stats.count(self.stats.actions, "dry-run")
+            self._event(f, "GPUQuarantineDryRun", "Normal",
+                        f"would quarantine ({', '.join(what)}): {a.reason}: {a.message}", now)
+            log.info("dry run: would quarantine %s: %s: %s", f.name, a.reason, a.message)
+            return
+        patch = patches.quarantine(f, self.s.keys, reason=a.reason, message=a.message[:256], now=rfc3339(now),
+                                   cordon=self.s.cordon, label=self.s.label)
+        self._write(e, "quarantine", patch)
+        log.info("quarantined %s: %s: %s", f.name, a.reason, a.message)
+        self._event(f, "GPUNodeQuarantined", "Warning", f"quarantined ({', '.join(what)}): {a.reason}: {a.message}",
+                    now)
+        if self.s.no_execute_after_s > 0:
+            self._at(now + self.s.no_execute_after_s, f.name)
+        if self.s.drain:
+            self._at(now, f.name)
+
+    def _release(self, e: Entry, now: float) -> None:
+        f = e.facts
+        held = (now - (e.assessment.fit_since or e.fit_seen or now)) / 60.0
+        if e.dry is not None:
+            e.dry = None
+            with self._cond:
+                self._count(f.name)
+            self.stats.count(self.stats.actions, "dry-run")
+            self._event(f, "GPUQuarantineDryRun", "Normal", f"would release: fit for {held:.0f} min", now)
+            return
+        assert f.quarantine is not None
+        reason = f.quarantine.reason
+        self._write(e, "release", patches.release(f, self.s.keys, label=self.s.label))
+        log.info("released %s (quarantined for %s, fit for %.0f min)", f.name, reason, held)
+        self._event(f, "GPUNodeReleased", "Normal",
+                    f"released: fit for {held:.0f} min (recovery hold {self.s.recovery_hold_s:.0f}s); was "
+                    f"quarantined for {reason}", now)
+
+    def _write(self, e: Entry, action: str, patch: dict[str, Any]) -> None:
+        try:
+            node = self.api.patch_node(e.facts.name, patch)
+        except ApiFailure:
+            self.stats.count(self.stats.api_failures, "patch")
+            raise
+        self.stats.count(self.stats.actions, action)
+        with self._cond:
+            self._store(node, force=True)
+            self._dirty.pop(e.facts.name, None)
+
+    def _drain(self, e: Entry, now: float) -> None:
+        f = e.facts
+        try:
+            pods = self.api.list_pods_on(f.name)
+        except ApiFailure:
+            self.stats.count(self.stats.api_failures, "list-pods")
+            raise
+        left = [p for p in pods if _evictable(p)]
+        if not left:
+            self._write(e, "drained", patches.drained(f, self.s.keys, now=rfc3339(now)))
+            self._event(f, "GPUNodeDrained", "Normal", "drained: no evictable pods left", now)
+            e.refused.clear()
+            return
+        # Pods a budget refused go last, so that one PodDisruptionBudget does not hold up the rest of the drain.
+        left.sort(key=lambda p: _pod_key(p) in e.refused)
+        wait = DRAIN_RECHECK_S
+        for pod in left:
+            key = _pod_key(pod)
+            if not self._take_token(now):
+                if key not in e.refused:
+                    wait = self._token_wait(now)  # the rate is what holds it back: look again with the next token
+                break
+            meta = pod.get("metadata") or {}
+            try:
+                self.api.evict_pod(str(meta.get("namespace")), str(meta.get("name")), str(meta.get("uid") or ""))
+                self.stats.count(self.stats.actions, "evict")
+                e.refused.discard(key)
+            except ApiFailure as exc:
+                if exc.status == 429:  # a PodDisruptionBudget says not now
+                    self.stats.evictions_blocked += 1
+                    e.refused.add(key)
+                elif exc.status != 404:
+                    self.stats.count(self.stats.api_failures, "evict")
+        self._at(now + wait, f.name)
+
+    def _take_token(self, now: float) -> bool:
+        if now < self._eviction_at:
+            return False
+        self._eviction_at = now + 60.0 / self.s.drain_per_minute
+        return True
+
+    def _token_wait(self, now: float) -> float:
+        return max(0.0, self._eviction_at - now)
+
+    # The breaker ------------------------------------------------------------------------------------------------
+
+    def _trip(self, now: float) -> None:
+        opened = self.breaker.trip(rfc3339(now), len(self.quarantined), len(self.candidates), len(self.gpu_nodes))
+        if opened:
+            st = self.breaker.state
+            log.warning("circuit breaker open: %s; no more quarantines until it closes or an operator resets it "
+                        "(annotate lease %s/%s %s)", st.reason, self.s.namespace, self.s.lease_name,
+                        self.s.keys.breaker_reset)
+            self._lease_event("GPUQuarantineBlocked", "Warning",
+                              f"circuit breaker open: {st.reason}; quarantines stop until the demand fits the limit "
+                              f"again or an operator resets it", now)
+
+    def _settle(self, now: float) -> None:
+        if self.breaker.settle(rfc3339(now), len(self.quarantined), len(self.candidates), len(self.gpu_nodes)):
+            log.info("circuit breaker closed: %s", self.breaker.state.reason)
+            for name in self.candidates:  # held back while it was open: nothing else would look at them again
+                self._dirty[name] = None
+            self._lease_event("GPUQuarantineResumed", "Normal", f"circuit breaker closed: "
+                              f"{self.breaker.state.reason}", now)
+        raw = self.breaker.state.to_json()
+        if raw != self._breaker_written:
+            self.leader.set_annotation(self._breaker_key, raw)  # rides on the next renewal: no request of its own
+            self._breaker_written = raw
+
+    def _check_reset(self, now: float) -> None:
+        token = self.leader.annotations().get(self.s.keys.breaker_reset, "")
+        if token and self.breaker.reset(rfc3339(now), token):
+            log.info("circuit breaker reset by an operator (%s=%s)", self.s.keys.breaker_reset, token)
+            for name in self.candidates:
+                self._dirty[name] = None
+            self._lease_event("GPUQuarantineResumed", "Normal", f"circuit breaker reset by an operator ({token})",
+                              now)
+
+    # Events -----------------------------------------------------------------------------------------------------
+
+    def _event(self, f: NodeFacts, reason: str, type_: str, message: str, now: float) -> None:
+        body = event_body(Involved("Node", f.name, uid=f.uid), EVENT_NAMESPACE, reason=reason, type_=type_,
+                          message=message, count=1, first=now, last=now, host=self.s.identity,
+                          component=CONTROLLER)
+        self._post(EVENT_NAMESPACE, body)
+
+    def _lease_event(self, reason: str, type_: str, message: str, now: float) -> None:
+        body = event_body(Involved("Lease", self.s.lease_name, namespace=self.s.namespace), self.s.namespace,
+                          reason=reason, type_=type_, message=message, count=1, first=now, last=now,
+                          host=self.s.identity, component=CONTROLLER)
+        body["involvedObject"]["apiVersion"] = "coordination.k8s.io/v1"
+        # Decided under the lock (the breaker's counts), posted after it: the watch feed never waits on a request.
+        self._lease_events.append(body)
+
+    def _flush_lease_events(self) -> None:
+        events, self._lease_events = self._lease_events, []
+        for body in events:
+            self._post(self.s.namespace, body)
+
+    def _post(self, namespace: str, body: dict[str, Any]) -> None:
+        try:
+            self.api.create_event(namespace, body)
+            self.stats.events_posted += 1
+        except ApiFailure as exc:
+            # The Node's annotations are the record; a lost Event is logged and counted, never retried.
+            self.stats.event_failures += 1
+            log.warning("event %s: %s", body.get("reason"), exc)
+
+    # Views ------------------------------------------------------------------------------------------------------
+
+    def counts(self) -> dict[str, int]:
+        with self._cond:
+            return {"gpu_nodes": len(self.gpu_nodes), "quarantined": len(self.quarantined),
+                    "candidates": len(self.candidates), "limit": self.breaker.limit(len(self.gpu_nodes)),
+                    "nodes": len(self.entries)}
+
+    def quarantined_by_reason(self) -> dict[str, int]:
+        with self._cond:
+            out: dict[str, int] = {}
+            for name in self.quarantined:
+                e = self.entries[name]
+                q = e.facts.quarantine or e.dry
+                if q is not None:
+                    out[q.reason] = out.get(q.reason, 0) + 1
+            return out
+
+
+def _older(rv: str, than: str) -> bool:
+    """resourceVersions are opaque to clients, but the etcd-backed API server hands out increasing integers; only
+    then can an event be told to be older than what the cache holds."""
+    try:
+        return int(rv) < int(than)
+    except ValueError:
+        return False
+
+
+def _pod_key(pod: dict[str, Any]) -> str:
+    meta = pod.get("metadata") or {}
+    return str(meta.get("uid") or f"{meta.get('namespace')}/{meta.get('name')}")
+
+
+def _evictable(pod: dict[str, Any]) -> bool:
+    """What ``kubectl drain`` would evict: not finished, not already going, not a mirror pod, not a DaemonSet's
+    (its controller would put it straight back and it tolerates our taint anyway)."""
+    meta = pod.get("metadata") or {}
+    if meta.get("deletionTimestamp"):
+        return False
+    if "kubernetes.io/config.mirror" in (meta.get("annotations") or {}):
+        return False
+    if any(o.get("kind") == "DaemonSet" for o in meta.get("ownerReferences") or [] if isinstance(o, dict)):
+        return False
+    return (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+
+
+__all__ = ["CONTROLLER", "Reconciler", "Settings"]
