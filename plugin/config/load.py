@@ -3,13 +3,13 @@ defaults, into one validated ``Config``. A bad value anywhere is a ``FieldError`
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from plugin.config.options import OPTIONS, Config, ConfigError
+from plugin.configfile import read_document
 from plugin.health.config import parse_health
 from plugin.kubelet.sharing import parse_sharing
 from plugin.kubelet.sharing import validate as validate_sharing
@@ -19,31 +19,9 @@ CONFIG_VERSION = "v1"
 SECTIONS = ("version", "plugin", "health", "sharing")
 
 
-def _parse_text(path: Path, text: str, label: str) -> Any:
-    if path.suffix == ".json":
-        try:
-            return json.loads(text)
-        except ValueError as exc:
-            raise ConfigError(label, f"{path} is not valid JSON: {str(exc).splitlines()[0]}") from None
-    # Imported here, not at the top: a plugin run from flags and the environment alone never loads the YAML
-    # parser, which keeps it out of the start-up RSS (issue 14, item 8).
-    import yaml
-
-    try:
-        return yaml.safe_load(text)
-    except (ValueError, yaml.YAMLError) as exc:
-        raise ConfigError(label, f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
-
-
 def read_file(path: Path, label: str = "--config") -> dict[str, Any]:
     """The config file as a mapping; ``label`` names where its path came from (--config or GPU_HEALTH_CONFIG)."""
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(label, f"cannot read {path}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(label, f"{path} is not a text file") from None
-    doc = _parse_text(path, text, label)
+    doc = read_document(path, label)
     if doc is None:
         doc = {}
     if not isinstance(doc, dict):

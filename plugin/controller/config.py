@@ -21,6 +21,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from plugin.configfile import read_document
 from plugin.validation import (
     Choice,
     FieldError,
@@ -557,22 +558,7 @@ def _misplaced_hint(key: str, where: str) -> str:
 def read_file(path: Path, label: str = "--config") -> dict[str, Any]:
     """The file's values by dotted key (``release.recoveryHold``), its shape checked; ``label`` is how the file was
     named (--config or GPU_HEALTH_CONTROLLER_CONFIG)."""
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise FieldError(label, f"cannot read {path}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise FieldError(label, f"{path} is not a text file") from None
-    # Imported here: a controller configured by flags and the environment alone never loads the YAML parser.
-    import yaml
-
-    try:
-        doc = yaml.safe_load(text)
-    except yaml.MarkedYAMLError as exc:
-        where = f" (line {exc.problem_mark.line + 1})" if exc.problem_mark is not None else ""
-        raise FieldError(label, f"{path} is not valid YAML: {exc.problem or exc.context}{where}") from None
-    except (ValueError, yaml.YAMLError) as exc:
-        raise FieldError(label, f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    doc = read_document(path, label)
     if not isinstance(doc, dict):
         raise FieldError(label, f"{path}: expected a mapping with version: {CONFIG_VERSION}, got "
                                 f"{'an empty file' if doc is None else repr(doc)}")

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 # Lowest first; docs/architecture.md has the same table.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("base", ("plugin", "plugin.validation", "plugin.backoff", "plugin.sockets", "plugin.logs")),
+    ("base", ("plugin", "plugin.validation", "plugin.configfile", "plugin.backoff", "plugin.sockets", "plugin.logs")),
     ("devices", ("plugin.devices",)),
     ("health", ("plugin.health",)),
     ("kubelet", ("plugin.kubelet",)),
