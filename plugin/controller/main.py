@@ -3,6 +3,7 @@ metrics together, and run until SIGTERM or SIGINT (exit 0, the Lease handed back
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import sys
@@ -78,6 +79,7 @@ class Controller:
         log.info("gpu-health-controller %s started%s: lease %s/%s, selector %r, breaker limit %.0f%%",
                  self.cfg.identity, mode, self.cfg.namespace, self.cfg.lease_name, self.cfg.node_selector,
                  self.cfg.max_quarantined_fraction * 100)
+        log.info("effective config: %s", json.dumps(self.cfg.effective(), sort_keys=True))
 
     def stop(self) -> None:
         self.reconciler.stop()
