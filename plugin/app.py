@@ -131,10 +131,35 @@ class App:
         self.correlator = make_correlator(cfg, self.state, self.resources)
         # /metrics, /healthz, /readyz; None with --metrics-address off.
         self.metrics_server = make_metrics_server(self)
+        # False while a successor waits for the state dir (start(active=False)); shutdown stops only what started.
+        self.active = False
 
-    def start(self) -> None:
+    def start(self, active: bool = True) -> None:
+        """Start serving. Not ``active``: a successor (``--handover``) while another instance still holds the state
+        dir; it serves the kubelet and its probes, and leaves the state file, the health API and cluster reporting
+        to that instance until ``take_over``."""
         self.cfg.state_dir.mkdir(parents=True, exist_ok=True)
-        self.monitor.start()
+        self.monitor.start(persist=active)
+        if active:
+            self._start_health_api()
+        self.supervisor.start()
+        if active:
+            self._start_reporting()
+        if self.metrics_server is not None:
+            self.metrics_server.start(busy_ok=not active)  # after the first poll: /healthz true from the first probe
+        self.active = active
+
+    def take_over(self) -> None:
+        """The previous instance has gone and its state dir is ours: start what it was doing."""
+        self.monitor.start_persisting()
+        self._start_health_api()
+        self._start_reporting()
+        # On the host's network the previous instance had our metrics port until it exited.
+        if self.metrics_server is not None and self.metrics_server.error is not None:
+            self.metrics_server.start()
+        self.active = True
+
+    def _start_health_api(self) -> None:
         try:
             self.health_server.start()
         except (OSError, RuntimeError) as exc:  # grpc reports a failed bind as RuntimeError
@@ -142,26 +167,27 @@ class App:
             detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).split(";")[0]
             raise StartupError(f"{label}: cannot serve the health API on {self.cfg.health_socket_path}: "
                                f"{detail}") from None
-        self.supervisor.start()
+
+    def _start_reporting(self) -> None:
         if self.kube_reporter is not None:
             self.kube_reporter.start()  # after the kubelet path: the API server never delays it
         if self.correlator is not None:
             self.correlator.start()
-        if self.metrics_server is not None:
-            self.metrics_server.start()  # after the first poll, so /healthz is true from the first probe
 
     def shutdown(self, timeout_s: float = 4.0) -> None:
         deadline = time.monotonic() + timeout_s
         self.stop.set()
         self.state.close()
         self.supervisor.shutdown(timeout_s=1.0)
-        if self.kube_reporter is not None:
-            self.kube_reporter.stop(timeout=0.5)  # a request in flight is abandoned (daemon thread)
-        if self.correlator is not None:
-            self.correlator.stop(timeout=0.5)
+        if self.active:
+            if self.kube_reporter is not None:
+                self.kube_reporter.stop(timeout=0.5)  # a request in flight is abandoned (daemon thread)
+            if self.correlator is not None:
+                self.correlator.stop(timeout=0.5)
         if self.metrics_server is not None:
             self.metrics_server.stop()
-        self.health_server.stop(grace_s=0.2)
+        if self.active:
+            self.health_server.stop(grace_s=0.2)
         self.monitor.join(max(0.1, deadline - time.monotonic()))
         self.backend.close()
 
@@ -204,16 +230,23 @@ def run(cfg: Config) -> int:
         # Handlers only set the stop event; the main thread does the shutdown work.
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
+        if not lock.held:
+            log.warning("%s %s is held by another gpu-health-plugin (%s): serving the kubelet next to it "
+                        "(--handover) and taking the state dir over when it exits",
+                        cfg.name_of("state_dir"), cfg.state_dir, lock.holder)
         try:
-            app.start()
+            app.start(active=lock.held)
+            # A successor looks for the lock twice a second: the old instance releases it as its last act.
+            while not app.stop.wait(1.0 if app.active else 0.5):
+                if not app.active and lock.try_take():
+                    log.info("took the state dir %s over from the previous instance", cfg.state_dir)
+                    app.take_over()
         except BaseException:
             try:
                 app.shutdown(timeout_s=1.0)
             except Exception as exc:  # the start-up error is the one to report
                 log.warning("clean-up after the failed start: %s", exc)
             raise
-        while not app.stop.wait(1.0):
-            pass
         app.shutdown()
         log.info("stopped")
         return 0

@@ -49,14 +49,19 @@ def _usable_dir(path: Path, label: str, file: Path | None = None) -> None:
 
 class InstanceLock:
     """One plugin per state dir: an exclusive ``flock`` on ``plugin.lock`` there, holding the owner's pid. The
-    kernel drops it when the holder dies, however it dies, so a stale file never blocks a restart."""
+    kernel drops it when the holder dies, however it dies, so a stale file never blocks a restart.
 
-    def __init__(self, fd: int, path: Path) -> None:
+    With ``wait`` (``--handover``) a held lock is not an error: the lock comes back not ``held``, and ``try_take``
+    takes it once the holder is gone, which is how a surge rollout's new plugin succeeds the old one."""
+
+    def __init__(self, fd: int, path: Path, held: bool = True, holder: str = "") -> None:
         self._fd: int | None = fd
         self.path = path
+        self.held = held
+        self.holder = holder
 
     @classmethod
-    def acquire(cls, state_dir: Path, label: str) -> InstanceLock:
+    def acquire(cls, state_dir: Path, label: str, wait: bool = False) -> InstanceLock:
         path = state_dir / LOCK_FILE
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -66,25 +71,48 @@ class InstanceLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _holder(fd)
+            if wait:
+                return cls(fd, path, held=False, holder=holder)
             os.close(fd)
             raise StartupError(f"{label} {state_dir} is in use by another gpu-health-plugin ({holder}); stop it "
                                f"or give this one its own {label}") from None
         except OSError as exc:
             os.close(fd)
             raise _problem(label, state_dir, f"cannot lock {LOCK_FILE}", exc) from None
+        lock = cls(fd, path)
+        lock._claim()
+        return lock
+
+    def try_take(self) -> bool:
+        """Take a lock that was held by another instance, if it is free now; True once held."""
+        if self.held:
+            return True
+        if self._fd is None:
+            return False
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        self._claim()
+        self.held = True
+        return True
+
+    def _claim(self) -> None:
         # Host name too: in a pod it is the pod's name, and the pid alone is ambiguous across pid namespaces.
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
-        return cls(fd, path)
+        assert self._fd is not None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
 
     def release(self) -> None:
         if self._fd is None:
             return
         fd, self._fd = self._fd, None
-        try:
-            os.ftruncate(fd, 0)
-        except OSError:
-            pass
+        if self.held:
+            try:
+                os.ftruncate(fd, 0)
+            except OSError:
+                pass
+        self.held = False
         os.close(fd)  # drops the lock; the file stays, so no one can lock a file that is about to be unlinked
 
 
@@ -122,7 +150,8 @@ def check_paths(cfg: Config) -> None:
 
 
 def claim_state_dir(cfg: Config) -> InstanceLock:
-    """Make the state dir usable and take its lock: first, before anything reads state.json or binds a socket."""
+    """Make the state dir usable and take its lock: first, before anything reads state.json or binds a socket.
+    With ``--handover`` a lock held by another instance comes back not held (the caller waits for it)."""
     label = cfg.name_of("state_dir")
     _usable_dir(cfg.state_dir, label)
-    return InstanceLock.acquire(cfg.state_dir, label)
+    return InstanceLock.acquire(cfg.state_dir, label, wait=cfg.handover)

@@ -4,6 +4,7 @@
                      OPTIONS; the keys of the file's health and sharing sections with their defaults
     docs/reasons.md  the reason-code table from plugin/health/reasons.py's REASONS
     docs/fleet-config.md  every option of gpu-health-controller from plugin/controller/config.py's options_table()
+    charts/gpu-health-device-plugin/values.schema.json  the Helm chart's values schema (scripts/gen_chart_schema.py)
 
     python scripts/gen_docs.py           # (re)write the files
     python scripts/gen_docs.py --check   # exit 1, naming the stale files, if one differs from what the code says
@@ -363,12 +364,15 @@ def fleet_example_file() -> str:
 
 
 def outputs() -> dict[Path, str]:
-    return {CONFIG_MD: render_config(), REASONS_MD: render_reasons(), FLEET_CONFIG_MD: render_fleet_config()}
+    # Imported here: the schema's builder reads this module's key tables.
+    from scripts import gen_chart_schema
+    return {CONFIG_MD: render_config(), REASONS_MD: render_reasons(), FLEET_CONFIG_MD: render_fleet_config(),
+            gen_chart_schema.SCHEMA_JSON: gen_chart_schema.render()}
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="generate docs/config.md, docs/reasons.md and docs/fleet-config.md "
-                                             "from the code")
+    ap = argparse.ArgumentParser(description="generate docs/config.md, docs/reasons.md, docs/fleet-config.md and "
+                                             "the chart's values.schema.json from the code")
     ap.add_argument("--check", action="store_true", help="exit 1 if a generated file is stale; write nothing")
     args = ap.parse_args(argv)
     try:

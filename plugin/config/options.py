@@ -164,6 +164,9 @@ class Config:
         _path, "the kubelet's device-plugin directory (kubelet.sock lives here)", "DIR"))
     state_dir: Path = field(default=Path("/var/lib/gpu-health-device-plugin"), metadata=_spec(
         _path, "where durable health state (latched faults, transitions) is kept", "DIR"))
+    handover: bool = field(default=False, metadata=_spec(
+        parse_bool, "when another instance holds the state dir (a surge rollout starts the new pod first), serve "
+        "the kubelet next to it and take the state dir over once it exits, instead of refusing to start"))
     health_socket: Path | None = field(default=None, metadata=_spec(
         _opt_path, "unix socket of the node-local health API (default: health.sock in the state dir)", "PATH"))
     dev_root: Path = field(default=Path("/"), metadata=_spec(

@@ -63,24 +63,32 @@ class Monitor:
 
     # Lifecycle ------------------------------------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Discover and poll once synchronously, so the first snapshot anyone sees is already true."""
+    def start(self, persist: bool = True) -> None:
+        """Discover and poll once synchronously, so the first snapshot anyone sees is already true. Without
+        ``persist`` (a successor waiting for the state dir) the state file is read but not written until
+        ``start_persisting``."""
         self.poll_once()
         self.backend.watch(self.request_poll)
-        if self.persister is not None:
-            self.persister.start()
-            self.persister.mark_dirty()
+        if persist:
+            self.start_persisting()
         for target, name in ((self._event_loop, "nvml-events"), (self._poll_loop, "poller")):
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             self._threads.append(t)
+
+    def start_persisting(self) -> None:
+        """Write the state file from now on, starting with the whole current state."""
+        if self.persister is not None and not self.persister.started:
+            self.persister.start()
+            self.persister.mark_dirty()
 
     def join(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         self._poll_now.set()  # the poller may be mid-interval; wake it to see the stop event
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
-        if self.persister is not None:
+        # A successor that never took the state dir over leaves the file to its owner.
+        if self.persister is not None and self.persister.started:
             self.persister.join(max(0.0, deadline - time.monotonic()))
             try:
                 self.persister.flush()

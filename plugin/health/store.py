@@ -85,6 +85,10 @@ class Persister:
         self.failures = 0
         self._thread = threading.Thread(target=self._run, name="persister", daemon=True)
 
+    @property
+    def started(self) -> bool:
+        return self._thread.ident is not None
+
     def start(self) -> None:
         self._thread.start()
 

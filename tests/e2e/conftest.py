@@ -56,6 +56,19 @@ class Local:
             raise AssertionError(f"kubectl {' '.join(args)} failed: {p.stderr.strip()}")
         return p.stdout
 
+    def helm(self, *args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        """helm (built from its Go module, scripts/helm.py) against the cluster, its own state under the work dir."""
+        from scripts import helm as helm_build
+
+        home = self.c.layout.work / "helm"
+        env = {**self.env, "HELM_CONFIG_HOME": str(home / "config"), "HELM_CACHE_HOME": str(home / "cache"),
+               "HELM_DATA_HOME": str(home / "data")}
+        p = subprocess.run([str(helm_build.build()), *args], capture_output=True, text=True, env=env,
+                           timeout=timeout)
+        if check and p.returncode != 0:
+            raise AssertionError(f"helm {' '.join(args)} failed: {p.stderr.strip()}")
+        return p
+
     def apply(self, *objs: dict[str, Any]) -> None:
         self.kubectl("apply", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": list(objs)}))
 

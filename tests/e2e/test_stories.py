@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from typing import Any
 
 import pytest
 import yaml
@@ -299,3 +300,137 @@ def test_9_uninstall_takes_the_gpus_away_and_the_documented_cleanup_removes_the_
     meta = local.node_json()
     assert not [k for k in meta["metadata"].get("annotations", {}) if k.startswith("gpu-health.io/")]
     assert not [c for c in meta["status"]["conditions"] if c["type"] == "GPUHealthy"]
+
+
+# The Helm chart (charts/gpu-health-device-plugin), on the cluster story 9 left: no plugin, its state dir kept. ------
+
+CHART = str(REPO / "charts" / "gpu-health-device-plugin")
+RELEASE = "gpu-health-device-plugin"
+PLUGIN_NS = "gpu-health-system"
+# The local cluster's values, and surge upgrades: its kubelet (1.37) keeps a resource's devices while a second
+# plugin for it is registered, so a node's new plugin pod can start before the old one stops.
+HELM_VALUES = ["-f", str(REPO / "scripts" / "localcluster" / "helm-values.yaml"),
+               "--set", "updateStrategy.rollingUpdate.maxSurge=1,updateStrategy.rollingUpdate.maxUnavailable=0"]
+
+
+def _helm_releases(local: Local) -> list[dict[str, object]]:
+    out = local.helm("list", "-n", PLUGIN_NS, "-o", "json").stdout
+    releases: list[dict[str, object]] = json.loads(out)
+    return releases
+
+
+def test_10_helm_install_with_a_bad_value_names_it_and_installs_nothing(local: Local) -> None:
+    # docs/deploy.md: the namespace first, from the base, for its Pod Security label.
+    local.kubectl("apply", "-f", str(REPO / "manifests" / "base" / "namespace.yaml"))
+    p = local.helm("install", RELEASE, CHART, "-n", PLUGIN_NS, *HELM_VALUES, "--set", "migStrategy=mixd",
+                   "--set", "plugin.pollIntervall=2", check=False)
+    assert p.returncode != 0
+    assert "- at '/migStrategy': value must be one of 'none', 'single', 'mixed'" in p.stderr, p.stderr
+    assert "- at '/plugin': additional properties 'pollIntervall' not allowed" in p.stderr, p.stderr
+    assert _helm_releases(local) == []
+    assert local.kubectl("get", "daemonsets,configmaps,serviceaccounts", "-n", PLUGIN_NS, "-o", "name",
+                         "-l", "app.kubernetes.io/managed-by=Helm") == ""
+    assert local.kubectl("get", "clusterrole", RELEASE, "--ignore-not-found", "-o", "name") == ""
+
+
+def _latched_or_latch(local: Local) -> int:
+    """A GPU with a latched XID 79: story 8's if it ran, else one latched now (one no other story faulted)."""
+    for i in range(8):
+        a = local.annotation(i)
+        if a and a["state"] == "Unhealthy":
+            return i
+    index = next(i for i in range(7, -1, -1) if local.node_file.doc["gpus"][i]["uuid"] not in FAULTED)
+    FAULTED.add(local.node_file.doc["gpus"][index]["uuid"])
+    local.signals(index, xid_events=[79])
+    local.wait_annotation(index, lambda a: a["state"] == "Unhealthy")
+    return index
+
+
+def test_11_helm_install_serves_the_gpus_and_the_latched_fault_survives_the_move(local: Local) -> None:
+    out = local.helm("install", RELEASE, CHART, "-n", PLUGIN_NS, *HELM_VALUES, "--wait", "--timeout=3m",
+                     timeout=240).stdout
+    # The chart's notes: how to watch it, and that surge upgrades need a 1.37 kubelet.
+    assert "kubectl -n gpu-health-system rollout status daemonset/gpu-health-device-plugin" in out, out
+    assert "--handover" in out and "kubelets >= 1.37" in out, out
+    [release] = _helm_releases(local)
+    assert release["status"] == "deployed" and release["chart"] == "gpu-health-device-plugin-0.1.0"
+    local.kubectl("-n", PLUGIN_NS, "rollout", "status", "daemonset/gpu-health-device-plugin", "--timeout=180s",
+                  timeout=200)
+    [pod] = local.plugin_pods()
+    assert pod["metadata"]["labels"]["app.kubernetes.io/name"] == "gpu-health-device-plugin"
+    assert all(c["ready"] for c in pod["status"]["containerStatuses"])
+    local.wait_gpus(8, field="capacity")
+    # The state dir outlived the kustomize install (story 9): story 8's latched GPU is Unhealthy from the start.
+    latched = _latched_or_latch(local)
+    local.wait_gpus(7)
+    assert local.annotation(latched)["state"] == "Unhealthy"
+
+
+def _roll(local: Local, *upgrade: str) -> tuple[list[str], dict[str, Any]]:
+    """helm upgrade while watching allocatable; returns every value seen and the one new plugin pod."""
+    [before] = local.plugin_pods()
+    watch = NodeWatch(local, "{.status.allocatable.nvidia\\.com/gpu}")
+    try:
+        local.helm("upgrade", RELEASE, CHART, "-n", PLUGIN_NS, *HELM_VALUES, *upgrade, "--wait", "--timeout=3m",
+                   timeout=240)
+        local.kubectl("-n", PLUGIN_NS, "rollout", "status", "daemonset/gpu-health-device-plugin", "--timeout=180s",
+                      timeout=200)
+        deadline = time.monotonic() + 60
+        while [p["metadata"]["uid"] for p in local.plugin_pods()] in ([], [before["metadata"]["uid"]]) or \
+                len(local.plugin_pods()) != 1:
+            assert time.monotonic() < deadline, "the old plugin pod was not replaced"
+            time.sleep(0.5)
+        [after] = local.plugin_pods()
+        local.wait_gpus(7)
+    finally:
+        seen = watch.stop()
+    return seen, after
+
+
+def test_12_helm_upgrade_rolls_config_and_image_without_dropping_a_healthy_gpu(local: Local) -> None:
+    latched = _latched_or_latch(local)
+    # A changed config: the pod template's checksum changes, so the DaemonSet rolls.
+    seen, pod = _roll(local, "--set", "plugin.pollInterval=2")
+    config = yaml.safe_load(local.get("configmap", "gpu-health-device-plugin-config", PLUGIN_NS)["data"]["config.yaml"])
+    assert config["plugin"]["pollInterval"] == 2
+    effective = next(line for line in local.logs(pod["metadata"]["name"], PLUGIN_NS).splitlines()
+                     if "effective config" in line)
+    assert '\\"poll_interval\\": 2.0' in effective or '"poll_interval": 2.0' in effective, effective
+    # The new plugin registered next to the old one and took its state over: the kubelet never saw fewer than the
+    # seven healthy GPUs, nor the latched one as healthy.
+    assert set(seen) == {"7"}, seen
+    assert local.annotation(latched)["state"] == "Unhealthy"
+    assert "took the state dir" in local.logs(pod["metadata"]["name"], PLUGIN_NS)
+    # A rebuilt image (same content, another image ID), as a release upgrade brings.
+    ref = images.rebuild_plugin("e2e-rebuilt")
+    local.c.import_image(ref.archive)
+    seen, pod = _roll(local, "--set", "plugin.pollInterval=2", "--set", f"image.tag={ref.ref.rsplit(':', 1)[1]}")
+    assert pod["spec"]["containers"][0]["image"] == ref.ref
+    assert set(seen) == {"7"}, seen
+    assert local.annotation(latched)["state"] == "Unhealthy"
+    assert local.gpus("capacity") == 8
+
+
+def test_13_helm_uninstall_removes_the_release_and_leaves_what_the_docs_say(local: Local) -> None:
+    local.helm("uninstall", RELEASE, "-n", PLUGIN_NS, "--wait", "--timeout=3m", timeout=240)
+    assert _helm_releases(local) == []
+    local.wait_gpus(0)
+    for kind, name in (("clusterrole", RELEASE), ("clusterrolebinding", RELEASE),
+                       ("validatingadmissionpolicy", f"{RELEASE}-own-node-only"),
+                       ("validatingadmissionpolicybinding", f"{RELEASE}-own-node-only")):
+        assert local.kubectl("get", kind, name, "--ignore-not-found", "-o", "name") == "", (kind, name)
+    assert local.kubectl("get", "daemonsets,configmaps,serviceaccounts", "-n", PLUGIN_NS, "-o", "name",
+                         "-l", "app.kubernetes.io/managed-by=Helm") == ""
+    # Left, as docs/deploy.md says: the namespace (not the chart's), the node's annotations and condition, and
+    # the state dir on the node with its latched fault.
+    assert local.get("namespace", PLUGIN_NS)["status"]["phase"] == "Active"
+    meta = local.node_json()
+    assert [k for k in meta["metadata"].get("annotations", {}) if k.startswith("gpu-health.io/gpu.")]
+    assert [c for c in meta["status"]["conditions"] if c["type"] == "GPUHealthy"]
+    saved = json.loads((local.c.layout.work / "plugin-state" / "state.json").read_text())
+    assert saved["devices"], saved
+    # The documented clean-up removes the rest.
+    local.c.remove_reporting()
+    local.kubectl("delete", "namespace", PLUGIN_NS, "--wait=true", timeout=200)
+    meta = local.node_json()
+    assert not [k for k in meta["metadata"].get("annotations", {}) if k.startswith("gpu-health.io/")]

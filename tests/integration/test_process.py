@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -198,3 +201,105 @@ def test_a_second_instance_on_the_same_state_dir_refuses_and_the_first_keeps_ser
         if first.poll() is None:
             rc, _, out = stop(first)
             assert rc == 0, out
+
+
+def _readyz(address: str) -> int:
+    try:
+        with urllib.request.urlopen(f"http://{address}/readyz", timeout=2) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+    except OSError:
+        return 0
+
+
+def _lock_holder_pid(root: Path) -> int:
+    words = (root / "state" / "plugin.lock").read_text().split()
+    return int(words[0]) if words else 0
+
+
+def _latch_then_start_a_successor(root: Path, kubelet: KubeletStandin, node: NodeFile, index: int,
+                                  old: subprocess.Popen[str], metrics: str = "off") -> subprocess.Popen[str]:
+    """With ``old`` serving, latch XID 79 on GPU ``index``, then start a --handover successor and wait until the
+    kubelet has its registration and its first device list."""
+    assert kubelet.wait_for(lambda: kubelet.capacity() == (8, 8), 30)
+    node.set(index, xid_events=[79])
+    assert kubelet.wait_for(lambda: kubelet.capacity() == (8, 7), 10)
+    new = start_plugin(root, "--metrics-address", metrics, "--handover")
+    assert kubelet.wait_for(lambda: len(kubelet.registrations) == 2, 30), old.pid
+    view = kubelet.view()
+    assert view is not None and kubelet.wait_for(lambda: view.updates > 0, 10)
+    return new
+
+
+def test_a_handover_successor_serves_next_to_the_holder_then_takes_its_state_over(
+        short_socket_dir: Path, kubelet: KubeletStandin) -> None:
+    """A surge rollout: the new plugin starts while the old one runs (--handover), registers at once with the
+    latched fault the old one saved, leaves the state dir alone until the old one exits, then owns it."""
+    node = NodeFile(short_socket_dir / "node.json")
+    state = short_socket_dir / "state"
+    health_sock = state / "health.sock"
+    # One metrics port for both, as on the host's network: the successor serves it once the old one has gone.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        metrics = f"127.0.0.1:{probe.getsockname()[1]}"
+    old = start_plugin(short_socket_dir, "--metrics-address", metrics)
+    new: subprocess.Popen[str] | None = None
+    try:
+        new = _latch_then_start_a_successor(short_socket_dir, kubelet, node, 2, old, metrics)
+        # Registered next to the old one, and its first snapshot already had the old one's latched fault.
+        assert kubelet.health(node.uuids[2]) == "Unhealthy" and kubelet.capacity() == (8, 7)
+        saved = (state / "state.json").stat().st_ino
+        # Still the old one's: the lock, the health API (it answers) and the state file.
+        assert _lock_holder_pid(short_socket_dir) == old.pid
+        assert sorted(list_devices(health_sock)) == sorted(node.uuids)
+        assert new.poll() is None
+        rc, _, old_out = stop(old)
+        assert rc == 0, old_out
+        # The old one removed its health socket as it stopped; the new one serves it once it holds the lock.
+        assert kubelet.wait_for(lambda: health_sock.exists() and _lock_holder_pid(short_socket_dir) == new.pid, 15)
+        assert sorted(list_devices(health_sock)) == sorted(node.uuids)
+        view = kubelet.view()
+        assert view is not None and view.connected and len(kubelet.registrations) == 2  # no re-registration
+        assert kubelet.capacity() == (8, 7)
+        # The old one is gone, so what answers on the port is the successor: registered, hence ready.
+        assert kubelet.wait_for(lambda: _readyz(metrics) == 200, 10)
+        # It writes the state file now: a new fault, then a restart without it, keeps both latches.
+        node.set(5, xid_events=[79])
+        assert kubelet.wait_for(lambda: kubelet.capacity() == (8, 6), 10)
+        assert kubelet.wait_for(lambda: (state / "state.json").stat().st_ino != saved, 10)
+        rc, _, new_out = stop(new)
+        assert rc == 0, new_out
+        assert "taking the state dir over when it exits" in new_out and "took the state dir" in new_out
+        assert "serving them after the hand-over" in new_out and "continuing without" not in new_out
+        assert "Traceback" not in new_out
+        node.set(2, xid_events=None)
+        node.set(5, xid_events=None)
+        new = start_plugin(short_socket_dir, "--metrics-address", "off")
+        assert kubelet.wait_for(lambda: len(kubelet.registrations) == 3 and kubelet.capacity() == (8, 6), 30)
+    finally:
+        for proc in (old, new):
+            if proc is not None and proc.poll() is None:
+                stop(proc)
+
+
+def test_a_successor_stopped_before_the_handover_leaves_the_state_dir_to_its_holder(
+        short_socket_dir: Path, kubelet: KubeletStandin) -> None:
+    node = NodeFile(short_socket_dir / "node.json")
+    state = short_socket_dir / "state"
+    old = start_plugin(short_socket_dir, "--metrics-address", "off")
+    try:
+        new = _latch_then_start_a_successor(short_socket_dir, kubelet, node, 3, old)
+        # Taken once the successor serves, a second after the fault: the holder wrote the fault long before.
+        before = (state / "state.json").stat()
+        rc, _, out = stop(new)
+        assert rc == 0 and "Traceback" not in out, out
+        # Not a byte of the state dir is the successor's: the file, the lock and the holder's health API.
+        after = (state / "state.json").stat()
+        assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+        assert _lock_holder_pid(short_socket_dir) == old.pid
+        assert sorted(list_devices(state / "health.sock")) == sorted(node.uuids)
+        assert old.poll() is None
+    finally:
+        rc, _, out = stop(old)
+        assert rc == 0, out

@@ -14,7 +14,7 @@ import re
 import shutil
 import subprocess
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ VARIANTS = {
     "node-condition": MANIFESTS / "overlays" / "node-condition",
     "cdi": MANIFESTS / "overlays" / "cdi",
     "remediation": MANIFESTS / "overlays" / "remediation",
+    "surge-upgrade": MANIFESTS / "overlays" / "surge-upgrade",
 }
 # The oldest release the manifests support (ValidatingAdmissionPolicy v1, node name in Pod-bound tokens) and the
 # release of the conformance API server.
@@ -116,12 +117,12 @@ def _objects(rendered: dict[str, list[dict[str, Any]]]) -> Iterator[tuple[str, d
             yield variant, o
 
 
-@pytest.mark.parametrize("version", KUBE_VERSIONS)
-def test_every_object_validates_strictly(rendered: dict[str, list[dict[str, Any]]], version: str) -> None:
+def strict_problems(objects: Iterable[tuple[str, dict[str, Any]]], version: str) -> tuple[list[str], int]:
+    """What strict validation against Kubernetes ``version`` finds in each (where, object), and how many passed."""
     problems = []
     count = 0
-    for variant, obj in _objects(rendered):
-        where = f"{variant}: {obj['kind']}/{obj['metadata']['name']}"
+    for label, obj in objects:
+        where = f"{label}: {obj['kind']}/{obj['metadata']['name']}"
         try:
             kubernetes_validate.validate(obj, version, strict=True)
             count += 1
@@ -130,6 +131,12 @@ def test_every_object_validates_strictly(rendered: dict[str, list[dict[str, Any]
         except kubernetes_validate.SchemaNotFoundError as exc:
             # A kind without a schema would pass unvalidated: that is a failure too.
             problems.append(f"{where}: {exc.message}")
+    return problems, count
+
+
+@pytest.mark.parametrize("version", KUBE_VERSIONS)
+def test_every_object_validates_strictly(rendered: dict[str, list[dict[str, Any]]], version: str) -> None:
+    problems, count = strict_problems(_objects(rendered), version)
     assert not problems, f"invalid against Kubernetes {version}:\n" + "\n".join(problems)
     assert count == sum(len(v) for v in rendered.values())
 
@@ -308,6 +315,7 @@ def test_plugin_accepts_the_daemonsets_args_env_and_config(rendered: dict[str, l
     assert bool(cfg.correlate_on) is api_access
     assert cfg.node_condition is (variant == "node-condition")
     assert (cfg.remediate, cfg.annotate_pods) == (("evict", True) if variant == "remediation" else ("none", False))
+    assert cfg.handover is (variant == "surge-upgrade")
     # The probes and the Prometheus port are the port the plugin listens on; the pod network, not the host's.
     port = container(find(rendered[variant], "DaemonSet"))["ports"][0]["containerPort"]
     assert cfg.metrics_address == f"0.0.0.0:{port}"
@@ -357,6 +365,15 @@ def test_cdi_only_turns_on_cdi(rendered: dict[str, list[dict[str, Any]]]) -> Non
     over = rendered["cdi"]
     expected = copy.deepcopy(_without(rendered["base"], set()))
     container(expected[("DaemonSet", NAME)])["args"].append("--cdi=true")
+    assert _without(over, set()) == expected
+
+
+def test_surge_upgrade_starts_the_new_pod_first_and_hands_over(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    over = rendered["surge-upgrade"]
+    expected = copy.deepcopy(_without(rendered["base"], set()))
+    ds = expected[("DaemonSet", NAME)]
+    ds["spec"]["updateStrategy"]["rollingUpdate"] = {"maxSurge": "10%", "maxUnavailable": 0}
+    container(ds)["args"].append("--handover=true")
     assert _without(over, set()) == expected
 
 

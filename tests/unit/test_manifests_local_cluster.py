@@ -44,6 +44,10 @@ def test_valid_and_accepted_by_the_plugin(rendered: dict[str, list[dict[str, Any
     env = {e["name"]: e.get("value") for e in container(ds)["env"]}
     assert (env["KUBERNETES_SERVICE_HOST"], env["KUBERNETES_SERVICE_PORT"]) == ("127.0.0.1", str(lc.API_PORT))
     assert container(ds)["image"] == "localhost/gpu-health-device-plugin:0.1.0"
+    # On the host's network a declared port is a host port, which would keep a surge rollout's second pod off the
+    # node: none is declared, and the probes name the plugin's port by number.
+    assert "ports" not in container(ds)
+    assert [container(ds)[p]["httpGet"]["port"] for p in ("livenessProbe", "readinessProbe")] == [9402, 9402]
 
 
 def test_the_base_is_what_users_apply(rendered: dict[str, list[dict[str, Any]]], kubectl: Path) -> None:

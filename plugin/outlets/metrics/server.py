@@ -10,6 +10,7 @@ the connection. What it adds: a client that goes quiet cannot hold its thread fo
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import socketserver
@@ -325,17 +326,24 @@ class MetricsServer:
             raise RuntimeError("metrics server not started")
         return int(self._httpd.server_address[1])
 
-    def start(self) -> None:
+    def start(self, busy_ok: bool = False) -> None:
+        """``busy_ok``: a port in use is expected (a successor on the host's network, whose predecessor holds it
+        until the hand-over) and logged as such; the caller starts again later."""
         host, port = self.requested
         cls = _Server6 if ":" in host else _Server
         try:
             httpd = cls((host, port), self.registry, self.probes)
         except OSError as exc:
+            self.error = f"cannot serve metrics on {host or '*'}:{port}: {exc.strerror or exc}"
+            if busy_ok and exc.errno == errno.EADDRINUSE:
+                log.info("%s (the previous instance's, on the host's network); serving them after the hand-over",
+                         self.error)
+                return
             # The kubelet path matters more than metrics: keep serving devices. The liveness probe (if one is
             # configured on this port) then fails, which makes the problem visible where it belongs.
-            self.error = f"cannot serve metrics on {host or '*'}:{port}: {exc.strerror or exc}"
             log.error("%s; continuing without /metrics, /healthz and /readyz", self.error)
             return
+        self.error = None
         self._httpd = httpd
         self._thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2},
                                         name="metrics-http", daemon=True)

@@ -29,6 +29,7 @@ VARIANTS = {
     "node-condition": MANIFESTS / "overlays" / "node-condition",
     "cdi": MANIFESTS / "overlays" / "cdi",
     "remediation": MANIFESTS / "overlays" / "remediation",
+    "surge-upgrade": MANIFESTS / "overlays" / "surge-upgrade",
 }
 NAMESPACE = "gpu-health-system"
 NAME = "gpu-health-device-plugin"
@@ -170,3 +171,31 @@ def test_uninstall_commands_remove_our_annotations_and_condition(apiserver) -> N
         assert not [k for k in annotations if k.startswith("gpu-health.io/")], annotations
         assert {k: annotations.get(k) for k in foreign} == foreign
         assert [c["type"] for c in node["status"]["conditions"]] == ["Ready"]
+
+
+# The Helm chart's rendering (charts/gpu-health-device-plugin), everything on that needs no CRD ----------------------
+
+CHART_ALL_ON = ("controller.enabled=true,controller.drain=true,remediation.enabled=true,nodeCondition.enabled=true,"
+                "cdi.enabled=true,updateStrategy.rollingUpdate.maxSurge=10%,updateStrategy.rollingUpdate.maxUnavailable=0")
+
+
+def test_the_charts_objects_pass_a_server_side_dry_run(apiserver, namespace) -> None:
+    from scripts import helm as helm_build
+    from tests.conformance.skips import build_or_skip
+
+    helm = build_or_skip(helm_build.MODULE, helm_build.PACKAGE, "helm", helm_build.ENV,
+                         version=helm_build.HELM_VERSION, ldflags=helm_build.LDFLAGS)
+    text = subprocess.run([str(helm), "template", NAME, str(REPO / "charts" / NAME), "-n", NAMESPACE,
+                           "--set", CHART_ALL_ON], capture_output=True, text=True, check=True, timeout=120).stdout
+    sent = [d for d in yaml.safe_load_all(text) if d]
+    result = apiserver.kubectl("apply", "--dry-run=server", "--validate=strict", "-f", "-", "-o", "json",
+                               input=text, check=False)
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    returned = {_key(o): o for o in (doc["items"] if doc.get("kind") == "List" else [doc])}
+    assert returned.keys() == {_key(o) for o in sent}
+    assert {("DaemonSet", NAME), ("Deployment", "gpu-health-controller"),
+            ("ClusterRole", f"{NAME}-remediation"), ("ClusterRole", "gpu-health-controller-drain")} <= returned.keys()
+    ds = returned[("DaemonSet", NAME)]
+    assert "--handover=true" in ds["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert ds["spec"]["updateStrategy"]["rollingUpdate"] == {"maxSurge": "10%", "maxUnavailable": 0}
