@@ -57,6 +57,7 @@ def split_host_port(s: str) -> tuple[str, int]:
 # Kubernetes names -------------------------------------------------------------------------------------------------
 
 _DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_DNS_LABEL_RE = re.compile(_DNS_LABEL)
 _DNS_SUBDOMAIN_RE = re.compile(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*")
 _NAME_PART_RE = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
 _REASON_CODE_RE = re.compile(r"[a-z0-9]+(-[a-z0-9]+)*")
@@ -64,6 +65,16 @@ RESERVED_DOMAINS = ("kubernetes.io", "k8s.io")
 # Node conditions the kubelet and the node lifecycle controller write; a condition of ours under one of these types
 # would be overwritten, or would overwrite theirs.
 KUBELET_CONDITIONS = ("Ready", "MemoryPressure", "DiskPressure", "PIDPressure", "NetworkUnavailable")
+
+
+def is_dns_label(s: str) -> bool:
+    """A lower-case DNS label of at most 63 characters (namespaces, ResourceSlice device names)."""
+    return len(s) <= 63 and _DNS_LABEL_RE.fullmatch(s) is not None
+
+
+def is_label_value(s: str) -> bool:
+    """A label value: empty, or at most 63 alphanumerics with ``-``, ``_`` and ``.`` inside (taint values too)."""
+    return s == "" or (len(s) <= 63 and _NAME_PART_RE.fullmatch(s) is not None)
 
 
 def is_dns_subdomain(s: str) -> bool:

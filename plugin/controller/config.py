@@ -27,7 +27,9 @@ from plugin.validation import (
     FieldError,
     check_prefix,
     first_key,
+    is_dns_label,
     is_dns_subdomain,
+    is_label_value,
     is_qualified_name,
     parse_bool,
     split_host_port,
@@ -175,11 +177,8 @@ def _opt_path(v: Any) -> Path | None:
     return Path(os.path.abspath(v))
 
 
-_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
-
-
 def _namespace(s: str) -> str:
-    if len(s) > 63 or not _DNS_LABEL.fullmatch(s):
+    if not is_dns_label(s):
         raise ValueError(f"expected a namespace name (a lower-case DNS label, at most 63 chars), got {s!r}")
     return s
 
@@ -210,14 +209,6 @@ def _listen_address(s: str) -> str:
 def _metrics_address(v: Any) -> str:
     # YAML 1.1 reads a bare `off` as false; that is what the user wrote.
     return "off" if v is False else _string(_listen_address)(v)
-
-
-_LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?")
-
-
-def is_label_value(s: str) -> bool:
-    """A label value: empty, or at most 63 alphanumerics with ``-``, ``_`` and ``.`` inside."""
-    return len(s) <= 63 and _LABEL_VALUE.fullmatch(s) is not None
 
 
 def _label(s: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from plugin import validation
 from plugin.config import ConfigError, load
 from plugin.kubelet.sharing import SharingError, parse_sharing
 from plugin.validation import (
@@ -75,3 +76,19 @@ def test_node_names_are_dns_subdomains_or_empty() -> None:
 def test_reason_codes() -> None:
     assert is_reason_code("xid-79") and is_reason_code("ecc-corrected-rate")
     assert not any(is_reason_code(s) for s in ("", "Xid-79", "xid--79", "-xid", "xid-", "xid_79", "xid-79\n"))
+
+
+@pytest.mark.parametrize(("text", "label", "value"), [
+    ("gpu-0", True, True),
+    ("", False, True),
+    ("a" * 63, True, True),
+    ("a" * 64, False, False),
+    ("GPU-0", False, True),
+    ("xid-79.repeated_x", False, True),
+    ("-edge", False, False),
+    ("edge.", False, False),
+    ("has space", False, False),
+])
+def test_dns_labels_and_label_values(text: str, label: bool, value: bool) -> None:
+    assert validation.is_dns_label(text) is label
+    assert validation.is_label_value(text) is value
