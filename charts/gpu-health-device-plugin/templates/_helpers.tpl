@@ -61,9 +61,8 @@ components, because flags win over the file.
 */}}
 {{- define "gpu-health.configFile" -}}
 {{- $plugin := deepCopy .Values.plugin -}}
-{{- $_ := set $plugin "migStrategy" .Values.migStrategy -}}
+{{- if ne .Values.migStrategy "none" }}{{ $_ := set $plugin "migStrategy" .Values.migStrategy }}{{ end -}}
 {{- $_ := set $plugin "failOnInitError" .Values.failOnInitError -}}
-{{- if eq .Values.migStrategy "none" }}{{ $_ := unset $plugin "migStrategy" }}{{ end -}}
 {{- $doc := dict "version" "v1" "plugin" $plugin "health" .Values.health -}}
 {{- if .Values.sharing }}{{ $_ := set $doc "sharing" .Values.sharing }}{{ end -}}
 {{- toYaml $doc -}}
