@@ -27,6 +27,7 @@ from plugin.startup import StartupError, check_paths, claim_state_dir
 # costs no memory (tests/integration/test_startup_imports.py).
 if TYPE_CHECKING:
     from plugin.devices.nvml import NvmlBackend
+    from plugin.dra.mode import DraMode
     from plugin.outlets.correlation import Correlator, Resource
     from plugin.outlets.kube import KubeReporter
     from plugin.outlets.metrics import MetricsServer
@@ -98,6 +99,11 @@ def make_correlator(cfg: Config, state: NodeState, resources: Sequence[Resource]
     """The outlet the config asks for, or None when it is off (no states to act on)."""
     if not cfg.correlate_on:
         return None
+    if cfg.mode == "dra":
+        # PodResources names devices by extended resource; in DRA mode the pod's own status carries the device's
+        # health and reason (the kubelet's health stream), so there is nothing to correlate.
+        log.info("pod correlation off in DRA mode: pod status carries each device's health (docs/dra.md)")
+        return None
     from plugin.outlets.correlation import CorrelationSettings, Correlator, PodResourcesClient
     from plugin.outlets.kubeapi import KubeClient
     settings = CorrelationSettings(
@@ -105,6 +111,20 @@ def make_correlator(cfg: Config, state: NodeState, resources: Sequence[Resource]
         annotate=cfg.annotate_pods, evict=cfg.remediate == "evict", annotation_prefix=cfg.annotation_prefix)
     kubeconfig = cfg.kubeconfig
     return Correlator(state, settings, PodResourcesClient(cfg.pod_resources_socket), lambda: KubeClient(kubeconfig))
+
+
+def make_dra(cfg: Config, state: NodeState, alloc: AllocationConfig, clock: Callable[[], float]) -> DraMode:
+    from plugin.dra.mode import DraMode, DraSettings
+    from plugin.outlets.kubeapi import KubeClient
+    settings = DraSettings(
+        node_name=cfg.node_name, plugin_dir=cfg.dra_plugin_dir, registry_dir=cfg.dra_registry_dir,
+        cdi_dir=cfg.cdi_spec_dir, state_dir=cfg.state_dir, dev_dir=alloc.dev_dir,
+        allow_unhealthy=cfg.allow_unhealthy_allocation, degraded_as=cfg.dra_degraded_health,
+        unhealthy_effect=cfg.dra_unhealthy_taint_effect, degraded_taint=cfg.dra_degraded_taint,
+        taint_prefix=cfg.annotation_prefix, debounce_s=cfg.report_debounce, min_interval_s=cfg.report_min_interval,
+        resync_s=cfg.report_resync_interval, backoff_max_s=cfg.report_backoff_max)
+    kubeconfig = cfg.kubeconfig
+    return DraMode(settings, state, lambda: KubeClient(kubeconfig), lambda: KubeClient(kubeconfig), clock)
 
 
 class App:
@@ -118,10 +138,17 @@ class App:
         alloc = AllocationConfig(dev_root=cfg.dev_root, cdi=cfg.cdi,
                                  allow_unhealthy=cfg.allow_unhealthy_allocation)
         # One server per resource; MIG profiles (strategy mixed) are read once at discovery, like the topology.
-        self.resources = build_resources(cfg.resource_name, cfg.mig_strategy, cfg.sharing,
-                                         profiles_of(self.backend.discover().gpus))
-        self.supervisor = Supervisor(cfg.device_plugin_dir, list(self.resources), self.state, alloc,
-                                     self.stop)
+        self.resources = () if cfg.mode == "dra" else build_resources(
+            cfg.resource_name, cfg.mig_strategy, cfg.sharing, profiles_of(self.backend.discover().gpus))
+        # The kubelet side: the device-plugin supervisor, or in DRA mode the DRA driver with its ResourceSlice.
+        # Never both: one mode per node, so a GPU is never offered twice.
+        self.supervisor: Supervisor | None = None
+        self.dra: DraMode | None = None
+        if cfg.mode == "dra":
+            self.dra = make_dra(cfg, self.state, alloc, time.monotonic)
+        else:
+            self.supervisor = Supervisor(cfg.device_plugin_dir, list(self.resources), self.state, alloc,
+                                         self.stop)
         self.health_server = HealthServer(cfg.health_socket_path, self.state)
         # Cluster reporting (node annotations, Events, node condition): None without a node name.
         self.kube_reporter = make_reporter(cfg, self.state)
@@ -142,7 +169,10 @@ class App:
         self.monitor.start(persist=active)
         if active:
             self._start_health_api()
-        self.supervisor.start()
+        if self.supervisor is not None:
+            self.supervisor.start()
+        if self.dra is not None:
+            self._start_dra()
         if active:
             self._start_reporting()
         if self.metrics_server is not None:
@@ -158,6 +188,14 @@ class App:
         if self.metrics_server is not None and self.metrics_server.error is not None:
             self.metrics_server.start()
         self.active = True
+
+    def _start_dra(self) -> None:
+        assert self.dra is not None
+        try:
+            self.dra.start()
+        except (OSError, RuntimeError) as exc:  # a failed bind; the message names the socket
+            raise StartupError(f"{self.cfg.name_of('dra_plugin_dir')}: cannot serve the DRA driver: "
+                               f"{str(exc).split(';')[0]}") from None
 
     def _start_health_api(self) -> None:
         try:
@@ -178,7 +216,10 @@ class App:
         deadline = time.monotonic() + timeout_s
         self.stop.set()
         self.state.close()
-        self.supervisor.shutdown(timeout_s=1.0)
+        if self.supervisor is not None:
+            self.supervisor.shutdown(timeout_s=1.0)
+        if self.dra is not None:
+            self.dra.shutdown(timeout_s=1.0)
         if self.active:
             if self.kube_reporter is not None:
                 self.kube_reporter.stop(timeout=0.5)  # a request in flight is abandoned (daemon thread)
@@ -203,7 +244,8 @@ def make_metrics_server(app: App) -> MetricsServer | None:
     sources = Sources(app.state, app.monitor, backend=_nvml(app.backend), supervisor=app.supervisor,
                       annotations=reporter.status if reporter is not None else None,
                       correlation=(lambda: correlator.stats) if correlator is not None else None)
-    probes = Probes(app.monitor, app.supervisor, cfg.stall_threshold, clock=app.monitor.clock)
+    probes = Probes(app.monitor, app.supervisor if app.supervisor is not None else app.dra, cfg.stall_threshold,
+                    clock=app.monitor.clock)
     return MetricsServer(cfg.metrics_address, build_registry(sources), probes)
 
 

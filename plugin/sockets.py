@@ -72,9 +72,12 @@ class UnixGrpcServer:
             with grpc.insecure_channel(f"unix://{self.path}") as ch:
                 confirm(ch)
 
-    def stop(self, grace_s: float) -> None:
-        """Stop serving, giving calls in flight ``grace_s``, and remove the socket (also after a failed start)."""
+    def stop(self, grace_s: float, remove: bool = True) -> None:
+        """Stop serving, giving calls in flight ``grace_s``, and remove the socket (also after a failed start).
+        ``remove`` False leaves the path alone: what is there now may be another server's socket."""
         self._server.stop(grace_s).wait(grace_s + 1.0)
+        if not remove:
+            return
         try:
             self.path.unlink()
         except FileNotFoundError:

@@ -128,7 +128,16 @@ def _holder(fd: int) -> str:
 
 def check_paths(cfg: Config) -> None:
     """Every path option, checked before anything serves, so a bad one is one line at start (exit 1)."""
-    _usable_dir(cfg.device_plugin_dir, cfg.name_of("device_plugin_dir"))
+    if cfg.mode == "dra":
+        # The kubelet's device-plugin directory is not ours to use in DRA mode; these three are.
+        for name in ("dra_plugin_dir", "dra_registry_dir", "cdi_spec_dir"):
+            _usable_dir(getattr(cfg, name), cfg.name_of(name))
+        dra_sock = cfg.dra_plugin_dir / "dra.sock"
+        if len(os.fsencode(dra_sock)) > UNIX_PATH_MAX:
+            raise StartupError(f"{cfg.name_of('dra_plugin_dir')}: the DRA socket path {dra_sock} is "
+                               f"{len(os.fsencode(dra_sock))} bytes; a unix socket path has at most {UNIX_PATH_MAX}")
+    else:
+        _usable_dir(cfg.device_plugin_dir, cfg.name_of("device_plugin_dir"))
     sock = cfg.health_socket_path
     label = cfg.name_of("health_socket") if cfg.health_socket is not None else cfg.name_of("state_dir")
     if len(os.fsencode(sock)) > UNIX_PATH_MAX:

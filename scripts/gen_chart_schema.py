@@ -140,6 +140,8 @@ CHART_OWNED = frozenset({
     "devicePluginDir", "stateDir", "healthSocket", "podResourcesSocket", "nodeName", "kubeconfig", "metricsAddress",
     "migStrategy", "failOnInitError", "cdi", "nodeCondition", "annotations", "events", "remediate",
     "annotatePods", "handover",
+    # DRA mode needs its own mounts and grants: the chart serves the device-plugin mode only (docs/dra.md).
+    "mode", "draPluginDir", "draRegistryDir", "cdiSpecDir",
 })
 
 

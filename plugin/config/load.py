@@ -74,4 +74,19 @@ def load(flags: Mapping[str, Any], env: Mapping[str, str], file: Path | None,
         via = f", set by {set_by['backend']}" if "backend" in set_by else ""
         raise ConfigError(cfg.name_of("simulated_node"),
                           f"only valid with --backend simulated (the backend is {cfg.backend}{via})")
+    if cfg.mode == "dra":
+        check_dra(cfg)
     return cfg
+
+
+def check_dra(cfg: Config) -> None:
+    """What DRA mode cannot do yet, or cannot do without: refused at start, naming the option."""
+    if not cfg.node_name:
+        raise ConfigError(cfg.name_of("node_name"),
+                          "--mode dra needs this node's name: its ResourceSlice and claims are looked up by it")
+    if cfg.mig_strategy != "none":
+        raise ConfigError(cfg.name_of("mig_strategy"),
+                          f"--mode dra publishes whole GPUs only; expected none, got {cfg.mig_strategy!r}")
+    if cfg.sharing.resources:
+        raise ConfigError("sharing.timeSlicing", "--mode dra does not share GPUs (time-slicing is a device-plugin "
+                                                 "feature); remove the sharing section")

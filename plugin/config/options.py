@@ -156,6 +156,10 @@ def _spec(parse: Callable[[Any], Any], help: str, metavar: str = "",
 
 @dataclass(frozen=True)
 class Config:
+    mode: str = field(default="device-plugin", metadata=_spec(
+        Choice("device-plugin", "dra"), "how GPUs reach pods: device-plugin (the extended resource above, "
+        "Healthy or Unhealthy per device) or dra (Dynamic Resource Allocation: ResourceSlices with device taints, "
+        "reasons in pod status; docs/dra.md). One mode per node, never both"))
     backend: str = field(default="nvml", metadata=_spec(
         Choice("nvml", "simulated"), "where device readings come from"))
     simulated_node: Path | None = field(default=None, metadata=_spec(
@@ -233,6 +237,23 @@ class Config:
     report_backoff_max: float = field(default=300.0, metadata=_spec(
         _float_pos, "longest wait between retries while the API server is unreachable or refusing (exponential "
         "back-off with jitter up to this)", "SECONDS"))
+    # DRA mode (--mode dra, docs/dra.md): the kubelet plugin's sockets, CDI specs, health mapping and taints.
+    dra_plugin_dir: Path = field(default=Path("/var/lib/kubelet/plugins/gpu.gpu-health.io"), metadata=_spec(
+        _path, "DRA mode: directory of the DRA service socket (dra.sock); the kubelet connects to it at this path",
+        "DIR"))
+    dra_registry_dir: Path = field(default=Path("/var/lib/kubelet/plugins_registry"), metadata=_spec(
+        _path, "DRA mode: the kubelet's plugin registration directory", "DIR"))
+    cdi_spec_dir: Path = field(default=Path("/var/run/cdi"), metadata=_spec(
+        _path, "DRA mode: where the CDI spec of each prepared claim is written (a directory the container "
+        "runtime reads CDI specs from)", "DIR"))
+    dra_degraded_health: str = field(default="Healthy", metadata=_spec(
+        Choice("Healthy", "Unhealthy"), "DRA mode: the health a Degraded device shows in pod status (its reason "
+        "is the message either way)"))
+    dra_unhealthy_taint_effect: str = field(default="NoSchedule", metadata=_spec(
+        Choice("NoSchedule", "NoExecute"), "DRA mode: effect of the taint on an Unhealthy device in the "
+        "ResourceSlice; NoExecute also evicts the pods using it"))
+    dra_degraded_taint: bool = field(default=True, metadata=_spec(
+        parse_bool, "DRA mode: put a taint with no effect (it only informs) carrying the reason on a Degraded device"))
     # The file-only sections, and where each option's value came from.
     health: HealthConfig = field(default_factory=HealthConfig)
     sharing: SharingConfig = field(default_factory=SharingConfig)

@@ -54,6 +54,8 @@ class Demo:
                      state_dir=root / "state", dev_root=root / "host", poll_interval=0.5,
                      health=HealthConfig(clear_after_polls=2), metrics_address="off")
         self.app = App(cfg, SimulatedBackend(self.node_file))
+        assert self.app.supervisor is not None  # the demo runs the device-plugin mode
+        self.supervisor = self.app.supervisor
         self.log: list[str] = []
         self.started = time.monotonic()
         self._lock = threading.Lock()
@@ -85,7 +87,7 @@ class Demo:
     def render(self) -> str:
         snap = self.app.state.snapshot()
         cap, alloc = self.kubelet.capacity()
-        reg = self.app.supervisor.record
+        reg = self.supervisor.record
         lines = [f"gpu-health-device-plugin demo: simulated 8-GPU node  |  kubelet: nvidia.com/gpu capacity={cap} "
                  f"allocatable={alloc}  registrations={reg.registrations}", ""]
         lines.append(f"{'IDX':<4}{'DEVICE':<14}{'STATE':<11}{'KUBELET':<10}{'REASONS'}")
@@ -182,7 +184,7 @@ class Demo:
         return 0 if ok else 1
 
     def _registrations(self) -> int:
-        return self.app.supervisor.record.registrations
+        return self.supervisor.record.registrations
 
     def _state(self, index: int) -> str:
         d = self.app.state.snapshot().get(self.uuids[index])

@@ -8,11 +8,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from plugin.atomicfile import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -51,24 +52,7 @@ class StateStore:
     def save(self, doc: dict[str, Any]) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         data = json.dumps({**doc, "version": self.VERSION}, separators=(",", ":")).encode()
-        fd, tmp = tempfile.mkstemp(prefix=".state-", dir=self.dir)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        dfd = os.open(self.dir, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        write_atomic(self.path, data)
 
 
 class Persister:

@@ -1,8 +1,9 @@
 """The Kubernetes API as the cluster outlets use it: the calls they make, the views they read back, and the one
 error type every failure becomes (:class:`ApiFailure`, with the HTTP status and ``Retry-After`` when there is one).
 
-The outlets depend on the two small protocols (:class:`KubeApi` for the node reporter, :class:`PodApi` for pod
-correlation); tests hand them fakes. :class:`KubeClient` implements both.
+The outlets depend on small protocols (:class:`KubeApi` for the node reporter, :class:`PodApi` for pod
+correlation, :class:`SliceApi` and :class:`ClaimApi` for the DRA driver); tests hand them fakes. :class:`KubeClient`
+implements them all.
 
 Why a client of our own on the standard library (issue 14): the plugin makes a handful of calls (read a Node or a
 Pod; merge-patch annotations; strategic-merge-patch the node condition; create and patch Events; evict a Pod), and a
@@ -47,6 +48,8 @@ log = logging.getLogger(__name__)
 MERGE_PATCH = "application/merge-patch+json"
 STRATEGIC_PATCH = "application/strategic-merge-patch+json"
 JSON = "application/json"
+SLICES = "/apis/resource.k8s.io/v1/resourceslices"
+STRICT = {"fieldValidation": "Strict"}
 
 
 class ApiFailure(Exception):
@@ -92,6 +95,24 @@ class PodApi(Protocol):
     def close(self) -> None: ...
 
 
+class SliceApi(Protocol):
+    """What the ResourceSlice writer calls (DRA driver mode)."""
+
+    def get_node(self, name: str) -> NodeView: ...
+    def get_resource_slice(self, name: str) -> dict[str, Any] | None: ...
+    def create_resource_slice(self, body: Mapping[str, Any]) -> dict[str, Any]: ...
+    def update_resource_slice(self, name: str, body: Mapping[str, Any]) -> dict[str, Any]: ...
+    def delete_resource_slice(self, name: str) -> None: ...
+    def close(self) -> None: ...
+
+
+class ClaimApi(Protocol):
+    """What the DRA driver reads when the kubelet asks it to prepare a claim."""
+
+    def get_resource_claim(self, namespace: str, name: str) -> dict[str, Any]: ...
+    def close(self) -> None: ...
+
+
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 # How long a token read from a file is used before the file is read again: the kubelet rotates a projected
 # service-account token well before it expires, and the API server counts requests that still carry the old one as
@@ -101,7 +122,7 @@ TOKEN_REFRESH_S = 60.0
 
 
 class KubeClient:
-    """:class:`KubeApi` and :class:`PodApi` over one keep-alive HTTP(S) connection: in-cluster service-account
+    """The protocols above over one keep-alive HTTP(S) connection: in-cluster service-account
     config, or a kubeconfig file outside. Safe to share between threads (one request at a time)."""
 
     def __init__(self, kubeconfig: Path | None = None, timeout_s: float = 10.0,
@@ -162,6 +183,34 @@ class KubeClient:
             # The UID precondition: never evict a new pod that took the old one's name after our lookup.
             body["deleteOptions"] = {"kind": "DeleteOptions", "preconditions": {"uid": uid}}
         self._request("POST", f"/api/v1/namespaces/{_q(namespace)}/pods/{_q(name)}/eviction", body, JSON)
+
+    def get_resource_slice(self, name: str) -> dict[str, Any] | None:
+        try:
+            return self._request("GET", f"{SLICES}/{_q(name)}")
+        except ApiFailure as f:
+            if f.status == 404:
+                return None
+            raise
+
+    def create_resource_slice(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        # Strict: a field the server does not know is refused instead of dropped, so a mistake in our body fails
+        # once, loudly, rather than making every comparison with the stored copy differ.
+        return self._request("POST", SLICES, dict(body), JSON, STRICT)
+
+    def update_resource_slice(self, name: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        # A PUT, not a patch: the slice is ours whole, and the body's metadata.resourceVersion makes a write from
+        # a stale read fail with 409.
+        return self._request("PUT", f"{SLICES}/{_q(name)}", dict(body), JSON, STRICT)
+
+    def delete_resource_slice(self, name: str) -> None:
+        try:
+            self._request("DELETE", f"{SLICES}/{_q(name)}")
+        except ApiFailure as f:
+            if f.status != 404:  # already gone is what we wanted
+                raise
+
+    def get_resource_claim(self, namespace: str, name: str) -> dict[str, Any]:
+        return self._request("GET", f"/apis/resource.k8s.io/v1/namespaces/{_q(namespace)}/resourceclaims/{_q(name)}")
 
     def close(self) -> None:
         """Close the connection without waiting: a request in flight on another thread (a stopping outlet's) fails

@@ -98,6 +98,10 @@ class OutletThread:
         """What to close once the thread has stopped; None for a client never built."""
         return ()
 
+    def _woken(self) -> bool:
+        """Whether something besides a new snapshot asks for a step before the deadline (checked while waiting)."""
+        return False
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=self._thread_name, daemon=True)
         self._thread.start()
@@ -125,4 +129,4 @@ class OutletThread:
                 self._log.exception("%s: unexpected error; retrying in %gs", self._label, ERROR_RETRY_S)
                 deadline = self._clock() + ERROR_RETRY_S
             wait = max(0.0, min(deadline - self._clock(), MAX_WAIT_S))
-            self.state.wait_for_change(self._version, wait, abort=self._stopping.is_set)
+            self.state.wait_for_change(self._version, wait, abort=lambda: self._stopping.is_set() or self._woken())

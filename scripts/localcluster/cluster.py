@@ -108,6 +108,11 @@ class Layout:
         return self.work / "kubelet"
 
     @property
+    def cdi_dir(self) -> Path:
+        """CDI specs (DRA mode writes one per prepared claim): the cluster's containerd reads only this one."""
+        return self.work / "cdi"
+
+    @property
     def containerd(self) -> Path:
         return self.work / "containerd"
 
@@ -370,6 +375,7 @@ def write_containerd_config(layout: Layout, pause_ref: str) -> Path:
     c = layout.containerd
     for d in ("root", "state", "runc", "tmp"):
         (c / d).mkdir(parents=True, exist_ok=True)
+    layout.cdi_dir.mkdir(parents=True, exist_ok=True)
     conf_dir = write_cni_config(layout)
     cni_bin = cni_bin_dir()
     text = f"""version = 3
@@ -398,6 +404,8 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.nri.v1.nri"]
   restrict_oom_score_adj = true
   # Pod network namespaces under our state dir, not /var/run/netns.
   netns_mounts_under_state_dir = true
+  # CDI devices (from the DRA driver) resolve from the cluster's own spec dir, never the host's /etc/cdi.
+  cdi_spec_dirs = ["{layout.cdi_dir}"]
 
 [plugins.'io.containerd.cri.v1.runtime'.cni]
   bin_dirs = ["{cni_bin}"]

@@ -195,3 +195,40 @@ def test_the_yaml_parser_is_imported_only_to_read_a_yaml_file(tmp_path: Path, na
                        cwd=Path(__file__).resolve().parents[2])
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == str(yaml_loaded)
+
+
+# DRA mode (docs/dra.md): what it cannot do is refused at load, naming the option as the user set it. ------------
+
+def test_dra_mode_defaults_and_paths() -> None:
+    cfg = load({"mode": "dra"}, {"NODE_NAME": "gpu-1"}, None)
+    assert cfg.mode == "dra" and cfg.dra_degraded_health == "Healthy" and cfg.dra_degraded_taint is True
+    assert cfg.dra_plugin_dir == Path("/var/lib/kubelet/plugins/gpu.gpu-health.io")
+    assert cfg.dra_registry_dir == Path("/var/lib/kubelet/plugins_registry")
+    assert cfg.cdi_spec_dir == Path("/var/run/cdi")
+    assert load(NO_FLAGS, {}, None).mode == "device-plugin"
+
+
+@pytest.mark.parametrize(("flags", "env", "text", "named", "says"), [
+    ({"mode": "dra"}, {}, None, "--node-name", "needs this node's name"),
+    ({}, {"GPU_HEALTH_MODE": "dra", "NODE_NAME": "n"}, "version: v1\nplugin:\n  migStrategy: mixed\n",
+     "plugin.migStrategy", "whole GPUs only; expected none, got 'mixed'"),
+    ({"mode": "dra", "node_name": "n"}, {}, "version: v1\nsharing:\n  timeSlicing:\n    resources:\n"
+     "      - name: nvidia.com/gpu\n        replicas: 4\n", "sharing.timeSlicing", "does not share GPUs"),
+    ({"mode": "dra", "node_name": "n", "dra_unhealthy_taint_effect": "NoExcute"}, {}, None,
+     "--dra-unhealthy-taint-effect", "NoSchedule, NoExecute"),
+])
+def test_dra_mode_refuses_what_it_cannot_do(tmp_path: Path, flags: dict[str, object], env: dict[str, str],
+                                            text: str | None, named: str, says: str) -> None:
+    f = write(tmp_path, text) if text is not None else None
+    with pytest.raises(ConfigError) as err:
+        load(flags, env, f)
+    assert err.value.field == named, str(err.value)
+    assert says in str(err.value)
+
+
+def test_cli_exits_2_on_dra_mode_without_a_node_name() -> None:
+    r = subprocess.run([sys.executable, "-m", "plugin", "run", "--mode", "dra"], capture_output=True, text=True,
+                       timeout=60, env={"PATH": "/usr/bin:/bin"})
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().endswith("--node-name: --mode dra needs this node's name: its ResourceSlice and claims "
+                                     "are looked up by it")

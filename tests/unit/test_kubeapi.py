@@ -94,7 +94,7 @@ class TinyServer:
                 self.wfile.write(data)
                 self.close_connection = srv.close_idle
 
-            do_GET = do_PATCH = do_POST = _handle
+            do_GET = do_PATCH = do_POST = do_PUT = do_DELETE = _handle
 
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
 
@@ -251,6 +251,48 @@ def test_pod_calls_as_the_server_receives_them(tmp_path: Path) -> None:
     ]
     assert {s.headers["Authorization"] for s in srv.seen} == {"Bearer t"}
     assert srv.connections == 1  # kept alive
+
+
+def test_resource_slice_and_claim_calls_as_the_server_receives_them(tmp_path: Path) -> None:
+    slices = "/apis/resource.k8s.io/v1/resourceslices"
+    body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": {"name": "n1-d"},
+            "spec": {"driver": "d", "nodeName": "n1"}}
+    stored = {**body, "metadata": {"name": "n1-d", "resourceVersion": "7"}}
+    missing = (404, {"Content-Type": "application/json"},
+               b'{"kind":"Status","message":"resourceslices \\"gone\\" not found","reason":"NotFound"}')
+
+    def respond(seen: Seen) -> Answer:
+        if "/gone" in seen.path:
+            return missing
+        return ok(stored)
+
+    srv = TinyServer(respond)
+    try:
+        client = KubeClient(kubeconfig(tmp_path, {"server": srv.url}, {"token": "t"}))
+        assert client.get_resource_slice("n1-d") == stored
+        assert client.get_resource_slice("gone") is None
+        assert client.create_resource_slice(body) == stored
+        assert client.update_resource_slice("n1-d", stored) == stored
+        client.delete_resource_slice("n1-d")
+        client.delete_resource_slice("gone")  # already gone: no failure
+        assert client.get_resource_claim("ns", "claim-1") == stored
+        claim = failure(lambda: client.get_resource_claim("ns", "gone"))
+        client.close()
+    finally:
+        srv.stop()
+    strict = f"fieldValidation=Strict&{FM}"
+    got = [(s.method, s.path, s.headers.get("Content-Type"), s.body) for s in srv.seen]
+    assert got == [
+        ("GET", f"{slices}/n1-d", None, None),
+        ("GET", f"{slices}/gone", None, None),
+        ("POST", f"{slices}?{strict}", "application/json", body),
+        ("PUT", f"{slices}/n1-d?{strict}", "application/json", stored),
+        ("DELETE", f"{slices}/n1-d?{FM}", None, None),
+        ("DELETE", f"{slices}/gone?{FM}", None, None),
+        ("GET", "/apis/resource.k8s.io/v1/namespaces/ns/resourceclaims/claim-1", None, None),
+        ("GET", "/apis/resource.k8s.io/v1/namespaces/ns/resourceclaims/gone", None, None),
+    ]
+    assert claim.status == 404 and "not found" in claim.message
 
 
 # Failures -----------------------------------------------------------------------------------------------------

@@ -17,11 +17,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 # Lowest first; docs/architecture.md has the same table.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("base", ("plugin", "plugin.validation", "plugin.configfile", "plugin.backoff", "plugin.sockets", "plugin.logs")),
+    ("base", ("plugin", "plugin.atomicfile", "plugin.validation", "plugin.configfile", "plugin.backoff",
+              "plugin.sockets", "plugin.logs")),
     ("devices", ("plugin.devices",)),
     ("health", ("plugin.health",)),
     ("kubelet", ("plugin.kubelet",)),
     ("outlets", ("plugin.outlets",)),
+    ("dra", ("plugin.dra",)),
     ("config", ("plugin.config",)),
     ("controller", ("plugin.controller",)),
     ("app", ("plugin.app", "plugin.startup", "plugin.devtools")),
@@ -35,12 +37,14 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "health": frozenset({"base", "devices"}),
     "kubelet": _BELOW_KUBELET,
     "outlets": _BELOW_KUBELET,
+    # DRA mode serves the kubelet (a kubelet-side job) from what the outlets know of slices and claims.
+    "dra": _BELOW_KUBELET | {"kubelet", "outlets"},
     "config": _BELOW_KUBELET | {"kubelet"},
     # The fleet controller is a program of its own beside the node agent: the API client and metrics of the
     # outlets, the reason names of health, nothing of the kubelet side or of the agent's config and app.
     "controller": _BELOW_KUBELET | {"outlets"},
-    "app": _BELOW_KUBELET | {"kubelet", "outlets", "config"},
-    "cli": _BELOW_KUBELET | {"kubelet", "outlets", "config", "app", "controller"},
+    "app": _BELOW_KUBELET | {"kubelet", "outlets", "dra", "config"},
+    "cli": _BELOW_KUBELET | {"kubelet", "outlets", "dra", "config", "app", "controller"},
 }
 
 

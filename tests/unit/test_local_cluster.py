@@ -65,6 +65,8 @@ def test_containerd_keeps_every_path_in_the_work_dir(tmp_path: Path, monkeypatch
     # This machine refuses a lower oom_score_adj; pod network namespaces stay out of /var/run/netns.
     assert runtime["restrict_oom_score_adj"] is True and runtime["netns_mounts_under_state_dir"] is True
     assert runtime["containerd"]["runtimes"]["runc"]["options"]["Root"].startswith(str(layout.work))
+    # DRA mode's CDI specs come from the cluster's own dir, which exists before containerd scans it.
+    assert runtime["cdi_spec_dirs"] == [str(layout.cdi_dir)] and layout.cdi_dir.is_dir()
     assert conf["plugins"]["io.containerd.cri.v1.images"]["pinned_images"]["sandbox"] == "localhost/pause:3.10"
     # Plugins that would install into /opt or listen in /var/run are off.
     assert {"io.containerd.internal.v1.opt", "io.containerd.nri.v1.nri"} <= set(conf["disabled_plugins"])

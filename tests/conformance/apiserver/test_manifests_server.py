@@ -30,6 +30,8 @@ VARIANTS = {
     "cdi": MANIFESTS / "overlays" / "cdi",
     "remediation": MANIFESTS / "overlays" / "remediation",
     "surge-upgrade": MANIFESTS / "overlays" / "surge-upgrade",
+    # DRA mode (docs/dra.md): its DeviceClass and grants on the server's resource.k8s.io/v1.
+    "dra": MANIFESTS / "overlays" / "dra",
 }
 NAMESPACE = "gpu-health-system"
 NAME = "gpu-health-device-plugin"

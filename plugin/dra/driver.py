@@ -1,0 +1,329 @@
+"""The kubelet-facing half of DRA mode: NodePrepareResources and NodeUnprepareResources for this node's GPUs.
+
+Prepare turns a claim the scheduler allocated into what the runtime needs: a CDI spec naming the GPUs' device
+nodes, and the CDI ids in the answer. It reads the allocation from the ResourceClaim on the API server (the kubelet
+sends only the claim's identity), checks each device against the node state, and records the result in a
+checkpoint before it answers, so a repeated prepare (a kubelet restart) and an unprepare after a plugin restart
+answer from what was prepared. Unprepare undoes both; a claim it does not know is already unprepared.
+
+Failures of one claim are that claim's error in the answer, never the call's: the kubelet retries each claim on
+its own. Only a request that is malformed as a whole (an empty UID, say) fails the call, with INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Protocol
+
+import grpc
+
+from api.dra.v1 import api_pb2 as v1_pb2
+from api.dra.v1 import api_pb2_grpc as v1_grpc
+from api.dra.v1beta1 import api_pb2 as v1beta1_pb2
+from api.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
+from plugin.dra import cdi
+from plugin.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
+from plugin.health.node_state import DeviceStatus, NodeState
+from plugin.health.reasons import KubeletHealth
+from plugin.outlets.annotations import top_reasons
+from plugin.outlets.kubeapi import ApiFailure
+from plugin.outlets.resourceslices import DRIVER, device_names
+
+log = logging.getLogger(__name__)
+
+
+def _registration_name(pb: ModuleType) -> str:
+    # The kubelet's plugin registration lists a DRA service as "<version>.DRAPlugin" (the last two parts of the
+    # gRPC service name), not by its full name; taken from the descriptors so the two cannot drift apart.
+    full: str = pb.DESCRIPTOR.services_by_name["DRAPlugin"].full_name
+    return ".".join(full.split(".")[-2:])
+
+
+GRPC_SERVICE_NAMES: tuple[str, ...] = tuple(pb.DESCRIPTOR.services_by_name["DRAPlugin"].full_name
+                                            for pb in (v1_pb2, v1beta1_pb2))
+SERVICE_NAMES: tuple[str, ...] = (_registration_name(v1_pb2), _registration_name(v1beta1_pb2))
+
+
+class ClaimApi(Protocol):
+    """The one call prepare needs of the API server. Raises ``ApiFailure``."""
+
+    def get_resource_claim(self, namespace: str, name: str) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class ClaimRef:
+    """A claim as the kubelet names it."""
+
+    namespace: str
+    uid: str
+    name: str
+
+
+@dataclass(frozen=True)
+class PrepareResult:
+    devices: tuple[PreparedDevice, ...] = ()
+    error: str = ""
+
+
+class RequestError(ValueError):
+    """The request as a whole is malformed; the message names the field."""
+
+
+class _ClaimError(Exception):
+    pass
+
+
+def check_request(claims: Sequence[ClaimRef]) -> None:
+    seen: dict[str, int] = {}
+    for i, c in enumerate(claims):
+        for field in ("uid", "name", "namespace"):
+            if not getattr(c, field):
+                raise RequestError(f"claims[{i}].{field} is empty")
+        if c.uid in seen:
+            # The answer is a map by UID: a second entry would silently overwrite the first.
+            raise RequestError(f"claims[{i}].uid {c.uid!r} repeats claims[{seen[c.uid]}].uid")
+        seen[c.uid] = i
+
+
+def _get(obj: Any, path: str) -> Any:
+    for key in path.split("."):
+        if not isinstance(obj, dict):
+            return None
+        obj = obj.get(key)
+    return obj
+
+
+class Driver:
+    def __init__(self, state: NodeState, claims: ClaimApi, node_name: str, cdi_dir: Path, checkpoint_dir: Path,
+                 dev_dir: str, allow_unhealthy: bool = False, driver_name: str = DRIVER,
+                 exists: Callable[[str], bool] = os.path.exists) -> None:
+        self._state = state
+        self._api = claims
+        self.node_name = node_name
+        self.pool = node_name  # the ResourceSlice outlet's pool: one per node, named after it
+        self.cdi_dir = cdi_dir
+        self.dev_dir = dev_dir
+        self.allow_unhealthy = allow_unhealthy
+        self.driver_name = driver_name
+        self._exists = exists
+        self._checkpoint = Checkpoint(checkpoint_dir)
+        # The kubelet may send batches in parallel; one lock keeps the checkpoint and the spec files in step.
+        # The API read happens under it too: prepares are rare and short, and two of the same claim must not race.
+        self._lock = threading.Lock()
+        self._prepared = self._checkpoint.load()
+
+    def prepared(self) -> dict[str, PreparedClaim]:
+        with self._lock:
+            return dict(self._prepared)
+
+    # Prepare ------------------------------------------------------------------------------------------------------
+
+    def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, PrepareResult]:
+        """Results by claim UID. Raises ``RequestError`` only for a malformed request."""
+        check_request(claims)
+        out: dict[str, PrepareResult] = {}
+        with self._lock:
+            for c in claims:
+                try:
+                    out[c.uid] = PrepareResult(devices=self._prepare_one(c))
+                except _ClaimError as exc:
+                    log.warning("prepare of ResourceClaim %s/%s (%s) failed: %s", c.namespace, c.name, c.uid, exc)
+                    out[c.uid] = PrepareResult(error=str(exc))
+        return out
+
+    def _prepare_one(self, c: ClaimRef) -> tuple[PreparedDevice, ...]:
+        done = self._prepared.get(c.uid)
+        if done is not None:
+            if not cdi.spec_exists(self.cdi_dir, c.uid, self.driver_name):
+                self._write_spec(c.uid, done.devices)
+            return done.devices
+        claim = self._fetch(c)
+        devices = self._allocated(c, claim)
+        self._write_spec(c.uid, devices)
+        record = PreparedClaim(uid=c.uid, namespace=c.namespace, name=c.name, devices=devices)
+        try:
+            self._checkpoint.save({**self._prepared, c.uid: record})
+        except OSError as exc:
+            # Without the record an unprepare after a restart still removes the spec (it goes by UID), but a
+            # spec no answer named is garbage: take it back.
+            self._remove_spec(c.uid)
+            raise _ClaimError(f"cannot write the checkpoint {self._checkpoint.path}: {exc}") from None
+        self._prepared[c.uid] = record
+        log.info("prepared ResourceClaim %s/%s (%s): %s", c.namespace, c.name, c.uid,
+                 ", ".join(f"{d.device} ({d.uuid})" for d in devices))
+        return devices
+
+    def _fetch(self, c: ClaimRef) -> dict[str, Any]:
+        try:
+            claim = self._api.get_resource_claim(c.namespace, c.name)
+        except ApiFailure as exc:
+            raise _ClaimError(f"cannot read ResourceClaim {c.namespace}/{c.name}: {exc}") from None
+        got = _get(claim, "metadata.uid")
+        if got != c.uid:
+            raise _ClaimError(f"ResourceClaim {c.namespace}/{c.name} has uid {got!r}, not {c.uid!r}: the claim "
+                              f"the kubelet asks for is gone (deleted and created again?)")
+        return claim
+
+    def _allocated(self, c: ClaimRef, claim: dict[str, Any]) -> tuple[PreparedDevice, ...]:
+        what = f"ResourceClaim {c.namespace}/{c.name}"
+        if not isinstance(_get(claim, "status.allocation"), dict):
+            raise _ClaimError(f"{what} is not allocated")
+        results = _get(claim, "status.allocation.devices.results")
+        if not isinstance(results, list):
+            results = []
+        # One device may serve several requests of the claim; it is still one GPU, named once, in first-seen order.
+        requests: dict[str, list[str]] = {}
+        for i, r in enumerate(results):
+            if not isinstance(r, dict) or r.get("driver") != self.driver_name or r.get("pool") != self.pool:
+                continue
+            device, request = r.get("device"), r.get("request")
+            if not isinstance(device, str) or not device or not isinstance(request, str):
+                raise _ClaimError(f"{what}: status.allocation.devices.results[{i}] has no device or request name")
+            names = requests.setdefault(device, [])
+            if request not in names:
+                names.append(request)
+        if not requests:
+            raise _ClaimError(f"{what} has no device of driver {self.driver_name} in pool {self.pool} allocated")
+        by_name = self._devices_by_name()
+        out: list[PreparedDevice] = []
+        for device, names in requests.items():
+            status = by_name.get(device)
+            if status is None:
+                raise _ClaimError(f"{what}: device {device!r} is not a GPU of node {self.node_name}")
+            if status.kubelet_health != KubeletHealth.HEALTHY and not self.allow_unhealthy:
+                top = top_reasons(status.reasons)
+                why = top[0].code if top else status.state.value
+                raise _ClaimError(f"{what}: device {device!r} ({status.gpu.uuid}) is {status.state.value} ({why}); "
+                                  f"refusing to prepare it")
+            out.append(PreparedDevice(request_names=tuple(names), pool=self.pool, device=device,
+                                      uuid=status.gpu.uuid, minor=status.gpu.dev_minor,
+                                      cdi_ids=(cdi.cdi_id(c.uid, device, self.driver_name),)))
+        return tuple(out)
+
+    def _devices_by_name(self) -> dict[str, DeviceStatus]:
+        # Whole GPUs only, named exactly as the ResourceSlice outlet names them.
+        whole = [d for d in self._state.snapshot().devices if d.mig is None]
+        names = device_names(d.gpu for d in whole)
+        return {names[d.gpu.uuid]: d for d in whole}
+
+    def _write_spec(self, uid: str, devices: Sequence[PreparedDevice]) -> None:
+        gpus = [cdi.CdiGpu(device=d.device, uuid=d.uuid, minor=d.minor) for d in devices]
+        spec = cdi.build_spec(uid, gpus, self.dev_dir, self._exists, self.driver_name)
+        try:
+            cdi.write_spec(self.cdi_dir, uid, spec, self.driver_name)
+        except OSError as exc:
+            raise _ClaimError(f"cannot write the CDI spec to {self.cdi_dir}: {exc}") from None
+
+    def _remove_spec(self, uid: str) -> None:
+        try:
+            cdi.remove_spec(self.cdi_dir, uid, self.driver_name)
+        except OSError as exc:
+            log.error("cannot remove the CDI spec of claim %s from %s: %s", uid, self.cdi_dir, exc)
+
+    # Unprepare ----------------------------------------------------------------------------------------------------
+
+    def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, str]:
+        """The error of each claim by UID, empty on success. Raises ``RequestError`` only for a malformed
+        request."""
+        check_request(claims)
+        out: dict[str, str] = {}
+        with self._lock:
+            for c in claims:
+                out[c.uid] = self._unprepare_one(c)
+        return out
+
+    def _unprepare_one(self, c: ClaimRef) -> str:
+        # The spec goes by UID whether or not the checkpoint knows the claim: a crash between writing the spec
+        # and the checkpoint leaves exactly that case.
+        try:
+            cdi.remove_spec(self.cdi_dir, c.uid, self.driver_name)
+        except OSError as exc:
+            return f"cannot remove the CDI spec of ResourceClaim {c.namespace}/{c.name}: {exc}"
+        if c.uid not in self._prepared:
+            return ""
+        rest = {uid: p for uid, p in self._prepared.items() if uid != c.uid}
+        try:
+            self._checkpoint.save(rest)
+        except OSError as exc:
+            return f"cannot write the checkpoint {self._checkpoint.path}: {exc}"
+        self._prepared = rest
+        log.info("unprepared ResourceClaim %s/%s (%s)", c.namespace, c.name, c.uid)
+        return ""
+
+
+# gRPC ---------------------------------------------------------------------------------------------------------------
+
+def _refs(claims: Any) -> list[ClaimRef]:
+    return [ClaimRef(namespace=c.namespace, uid=c.uid, name=c.name) for c in claims]
+
+
+def _prepare(driver: Driver, pb: ModuleType, request: Any, context: grpc.ServicerContext) -> Any:
+    try:
+        results = driver.prepare(_refs(request.claims))
+    except RequestError as exc:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        raise  # abort raises; this keeps the type checker and a fake context honest
+    resp = pb.NodePrepareResourcesResponse()
+    for uid, r in results.items():
+        entry = resp.claims[uid]
+        entry.error = r.error
+        for d in r.devices:
+            entry.devices.add(request_names=list(d.request_names), pool_name=d.pool, device_name=d.device,
+                              cdi_device_ids=list(d.cdi_ids))
+    return resp
+
+
+def _unprepare(driver: Driver, pb: ModuleType, request: Any, context: grpc.ServicerContext) -> Any:
+    try:
+        results = driver.unprepare(_refs(request.claims))
+    except RequestError as exc:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        raise
+    resp = pb.NodeUnprepareResourcesResponse()
+    for uid, error in results.items():
+        resp.claims[uid].error = error
+    return resp
+
+
+class DraPluginV1Servicer(v1_grpc.DRAPluginServicer):
+    def __init__(self, driver: Driver) -> None:
+        self._driver = driver
+
+    def NodePrepareResources(self, request: v1_pb2.NodePrepareResourcesRequest,
+                             context: grpc.ServicerContext) -> v1_pb2.NodePrepareResourcesResponse:
+        resp: v1_pb2.NodePrepareResourcesResponse = _prepare(self._driver, v1_pb2, request, context)
+        return resp
+
+    def NodeUnprepareResources(self, request: v1_pb2.NodeUnprepareResourcesRequest,
+                               context: grpc.ServicerContext) -> v1_pb2.NodeUnprepareResourcesResponse:
+        resp: v1_pb2.NodeUnprepareResourcesResponse = _unprepare(self._driver, v1_pb2, request, context)
+        return resp
+
+
+class DraPluginV1beta1Servicer(v1beta1_grpc.DRAPluginServicer):
+    """The same driver for kubelets that speak only v1beta1 (the messages have the same fields)."""
+
+    def __init__(self, driver: Driver) -> None:
+        self._driver = driver
+
+    def NodePrepareResources(self, request: v1beta1_pb2.NodePrepareResourcesRequest,
+                             context: grpc.ServicerContext) -> v1beta1_pb2.NodePrepareResourcesResponse:
+        resp: v1beta1_pb2.NodePrepareResourcesResponse = _prepare(self._driver, v1beta1_pb2, request, context)
+        return resp
+
+    def NodeUnprepareResources(self, request: v1beta1_pb2.NodeUnprepareResourcesRequest,
+                               context: grpc.ServicerContext) -> v1beta1_pb2.NodeUnprepareResourcesResponse:
+        resp: v1beta1_pb2.NodeUnprepareResourcesResponse = _unprepare(self._driver, v1beta1_pb2, request, context)
+        return resp
+
+
+def add_dra_services(server: grpc.Server, driver: Driver) -> None:
+    """Serve both versions; the kubelet picks the newest that the registration lists (``SERVICE_NAMES``)."""
+    v1_grpc.add_DRAPluginServicer_to_server(DraPluginV1Servicer(driver), server)
+    v1beta1_grpc.add_DRAPluginServicer_to_server(DraPluginV1beta1Servicer(driver), server)

@@ -1,0 +1,98 @@
+"""DRA mode's kubelet side as one piece the App starts in place of the device-plugin supervisor: the driver
+(prepare/unprepare), its sockets (DRA, health, registration) and the node's ResourceSlice writer, wired together.
+
+It also answers the probes as the supervisor does (``record``, ``failure``), so /readyz means "the kubelet took
+our registration" in both modes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from plugin.dra.driver import ClaimApi, Driver
+from plugin.dra.health import HealthSettings
+from plugin.dra.server import DraServer
+from plugin.health.node_state import NodeState
+from plugin.outlets.kubeapi import SliceApi
+from plugin.outlets.resourceslices import DRIVER, SliceSettings
+from plugin.outlets.slicewriter import SliceWriter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DraSettings:
+    node_name: str
+    plugin_dir: Path
+    registry_dir: Path
+    cdi_dir: Path
+    state_dir: Path
+    dev_dir: str
+    allow_unhealthy: bool = False
+    degraded_as: str = "Healthy"
+    unhealthy_effect: str = "NoSchedule"
+    degraded_taint: bool = True
+    taint_prefix: str = "gpu-health.io"
+    debounce_s: float = 1.0
+    min_interval_s: float = 10.0
+    resync_s: float = 600.0
+    backoff_max_s: float = 300.0
+
+
+@dataclass(frozen=True)
+class _Record:
+    """The registration record as the probes and the registration collector read it."""
+
+    registered: bool
+    registrations: int
+    failures: int
+    last_registered_at: float
+    last_error: str
+
+
+class DraMode:
+    def __init__(self, settings: DraSettings, state: NodeState, claims: Callable[[], ClaimApi],
+                 slices: Callable[[], SliceApi], clock: Callable[[], float]) -> None:
+        self.settings = settings
+        self.state = state
+        self._claims = claims()
+        self.driver = Driver(state, self._claims, settings.node_name, settings.cdi_dir, settings.state_dir,
+                             settings.dev_dir, allow_unhealthy=settings.allow_unhealthy)
+        self.slice_writer = SliceWriter(
+            state, SliceSettings(node_name=settings.node_name, taint_prefix=settings.taint_prefix,
+                                 unhealthy_effect=settings.unhealthy_effect,
+                                 degraded_taint=settings.degraded_taint),
+            slices, debounce_s=settings.debounce_s, min_interval_s=settings.min_interval_s,
+            resync_s=settings.resync_s, backoff_max_s=settings.backoff_max_s, clock=clock)
+        self.server = DraServer(settings.plugin_dir, settings.registry_dir, state, self.driver,
+                                HealthSettings(pool=settings.node_name, degraded_as=settings.degraded_as),
+                                driver_name=DRIVER, on_registered=self.slice_writer.resync_now)
+        self._failure: str | None = None
+
+    def start(self) -> None:
+        self.server.start()
+        self.slice_writer.start()
+
+    def shutdown(self, timeout_s: float = 1.0) -> None:
+        # The slice stays: a restarting plugin must not make its devices vanish; the kubelet removes it 30 s after
+        # the last plugin of the driver went, which is what an uninstall needs.
+        self.slice_writer.stop(timeout=min(timeout_s, 0.5))
+        self.server.stop(grace_s=min(timeout_s, 0.5))
+        close = getattr(self._claims, "close", None)
+        if close is not None:
+            close()
+
+    # What the probes and metrics read (plugin/outlets/metrics/sources.py: SupervisorLoop) ---------------------
+
+    @property
+    def record(self) -> _Record:
+        c = self.server.registration.counts()
+        status = self.server.status()
+        return _Record(registered=status.registered, registrations=c.registrations, failures=c.failures,
+                       last_registered_at=c.last_registered_at, last_error=status.last_error)
+
+    def failure(self) -> str | None:
+        return self._failure

@@ -1,0 +1,304 @@
+"""The writer that keeps the node's DRA ResourceSlice on the API server (DRA driver mode).
+
+A thin writer around the pure parts in ``resourceslices.py``, paced as the node reporter (``kube.py``) is:
+
+- only on change: it keeps the server's copy from its last read or write and asks ``slice_changed`` whether what it
+  wants differs; an unchanged node costs no request at all but one GET every ``resync_s``;
+- a burst is coalesced (a write ``debounce_s`` after the first unwritten change, with the state of that moment) and
+  a token bucket (one token per ``min_interval_s``) bounds the writes;
+- failures back off exponentially with jitter and are logged once per back-off; an API server that does not serve
+  resource.k8s.io/v1 is logged once and asked again at the back-off cap;
+- every PUT carries the resourceVersion it was computed from; a 409 re-reads and recomputes at once (bounded);
+- the API server drops device taints while its DRADeviceTaints gate is off: seen once, logged once, and the writer
+  stops asking for taints, so its comparison with the stored copy settles instead of writing forever.
+
+Stopping leaves the slice in place: a restarting plugin must not make the node's devices vanish from the scheduler.
+The Node owns the slice (when its UID could be read), so deleting the node deletes it; ``delete_slice`` is the
+explicit uninstall path.
+
+Time is passed in (``tick(now)``), so tests drive it on a virtual clock.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from plugin.backoff import Backoff
+from plugin.devices.model import Gpu
+from plugin.health.node_state import DeviceStatus, NodeState
+from plugin.outlets.kube import WriteScheduler
+from plugin.outlets.kubeapi import ApiFailure, SliceApi
+from plugin.outlets.kubecommon import Closeable, OutletThread
+from plugin.outlets.resourceslices import (
+    SliceSettings,
+    desired_slice,
+    gpu_statuses,
+    must_recreate,
+    next_generation,
+    slice_name,
+    taints_dropped,
+    update_body,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_CONFLICT_RETRIES = 3
+LABEL = "resource slice"
+
+
+@dataclass(frozen=True)
+class SliceWriterStatus:
+    """For metrics and the health stream."""
+
+    ok: bool = True  # false while the last attempt failed
+    writes: int = 0  # successful creates, updates and deletes of the slice
+    failures: int = 0  # failed requests of any kind (and failed attempts to build the client)
+    conflicts: int = 0  # 409s answered by a re-read
+    reads: int = 0  # successful GETs of the slice
+    last_error: str | None = None
+    taints_published: bool = True  # false once the API server was seen dropping our device taints
+
+
+class _NotServed(Exception):
+    """The API server answered 404 for the slice collection: it does not serve resource.k8s.io/v1."""
+
+    def __init__(self, failure: ApiFailure) -> None:
+        super().__init__(str(failure))
+        self.failure = failure
+
+
+class SliceWriter(OutletThread):
+    def __init__(self, state: NodeState, settings: SliceSettings, client_factory: Callable[[], SliceApi],
+                 debounce_s: float = 1.0, min_interval_s: float = 10.0, resync_s: float = 600.0,
+                 backoff_max_s: float = 300.0, clock: Callable[[], float] = time.monotonic, *,
+                 backoff_initial_s: float = 1.0, rng: random.Random | None = None) -> None:
+        super().__init__(state, clock, version=0, thread_name="slice-writer", label=LABEL, log=log)
+        self.settings = settings
+        self.name = slice_name(settings)
+        self._factory = client_factory
+        self._api: SliceApi | None = None
+        self._resync_s = resync_s
+        self._backoff = Backoff(backoff_initial_s, backoff_max_s, rng=rng or random.Random())
+        self._sched = WriteScheduler(debounce_s, min_interval_s, self._backoff, clock())
+        self._gpus: list[Gpu] = []
+        self._statuses: dict[str, DeviceStatus] = {}
+        self._current: dict[str, Any] | None = None  # the server's copy, from our last read or write
+        self._need_read = True
+        self._need_node = not settings.node_uid  # the Node's UID, so the Node owns the slice
+        self._next_resync = math.inf
+        self._not_served_logged = False
+        self._retired = False  # delete_slice ran: never write the slice again
+        self._resync = threading.Event()  # resync_now asked, from another thread
+        self._logged_error: str | None = None
+        self._status = SliceWriterStatus(taints_published=settings.taints)
+        self._status_lock = threading.Lock()
+
+    # Status ---------------------------------------------------------------------------------------------------
+
+    def status(self) -> SliceWriterStatus:
+        with self._status_lock:
+            return self._status
+
+    def _update(self, **changes: Any) -> None:
+        with self._status_lock:
+            self._status = replace(self._status, **changes)
+
+    def _failed(self, what: str, f: ApiFailure, now: float) -> float:
+        delay = self._sched.failed(now, f.retry_after)
+        self._update(ok=False, last_error=f"{what}: {f}", failures=self.status().failures + 1)
+        # One line per back-off: the back-off paces the attempts, so this cannot flood the log.
+        log.warning("%s: %s failed (%s); retrying in %.1fs", LABEL, what, f, delay)
+        self._logged_error = str(f)
+        return delay
+
+    def _not_served(self, f: ApiFailure, now: float) -> None:
+        # Not a passing fault: DRA is off on the cluster (or it is older than 1.34). Asking at the cap still picks
+        # it up without a restart once someone turns it on, and one line says it all, not one per attempt.
+        delay = self._sched.failed(now, self._backoff.maximum)
+        self._update(ok=False, last_error=f"resource.k8s.io/v1 not served: {f}",
+                     failures=self.status().failures + 1)
+        if not self._not_served_logged:
+            log.error("%s: the API server does not serve resource.k8s.io/v1 ResourceSlices (%s): DRA is off on "
+                      "this cluster or it is older than 1.34; the node's GPUs are not published to DRA; asking "
+                      "again every %.0fs", LABEL, f, delay)
+            self._not_served_logged = True
+
+    def _recovered(self) -> None:
+        if self._logged_error is not None:
+            log.info("%s: API server answering again (last error: %s)", LABEL, self._logged_error)
+            self._logged_error = None
+        self._update(ok=True)
+
+    def _clients(self) -> Iterable[Closeable | None]:
+        return (self._api,)
+
+    # One step -------------------------------------------------------------------------------------------------
+
+    def tick(self, now: float) -> float:
+        """Do whatever is due at ``now``; return when to be called next (or sooner, on a state change)."""
+        if self._retired:
+            return math.inf
+        if self._resync.is_set():
+            self._resync.clear()
+            self._need_read = True
+        snap = self.state.snapshot()
+        if snap.version == 0:
+            return math.inf  # nothing published yet: writing now would empty the pool of a restarting node
+        if snap.version != self._version:
+            self._gpus = [d.gpu for d in snap.devices if d.mig is None]
+            self._statuses = gpu_statuses(snap.devices)
+            self._version = snap.version
+        if self._api is None:
+            if self._sched.blocked(now):
+                return self._sched.blocked_until
+            try:
+                self._api = self._factory()
+            except ApiFailure as f:
+                self._failed("building the API client", f, now)
+                return self._sched.blocked_until
+        if (self._need_read or now >= self._next_resync) and not self._sched.blocked(now):
+            self._read(now)
+        self._check_pending(now)
+        if not self._need_read and self._sched.try_start(now):
+            self._write(now)
+        deadlines = [self._sched.due_at(now), self._next_resync]
+        if self._need_read:
+            deadlines.append(max(now, self._sched.blocked_until))
+        return min(deadlines)
+
+    step = tick  # what the thread calls
+
+    def resync_now(self) -> None:
+        """Read the slice again at once (from any thread): the kubelet deletes a driver's slices some time after
+        its plugin went, so a plugin that registers again must not wait for the next resync to put it back."""
+        self._resync.set()
+        self.state.poke()
+
+    def _woken(self) -> bool:
+        return self._resync.is_set()  # resync_now: wake the thread, whose wait otherwise ends only on a snapshot
+
+    def _desired(self) -> dict[str, Any]:
+        return desired_slice(self._gpus, self._statuses, self.settings)
+
+    def _check_pending(self, now: float) -> None:
+        if self._need_read:
+            return
+        if update_body(self._current, self._desired()) is None:
+            self._sched.settled()
+        else:
+            self._sched.changed(now)
+
+    def _read(self, now: float) -> bool:
+        assert self._api is not None
+        try:
+            current = self._api.get_resource_slice(self.name)
+            # Our slice vanished (the Node was deleted and made again, or someone deleted the slice): a new Node
+            # has a new UID, and a slice owned by the old one would be collected again at once.
+            if self._need_node or (current is None and self._current is not None):
+                node = self._api.get_node(self.settings.node_name)
+                self.settings = replace(self.settings, node_uid=node.uid)
+                self._need_node = False
+        except ApiFailure as f:
+            if f.status == 404:  # only get_node raises on 404: a missing slice is None
+                f = ApiFailure(404, f"node {self.settings.node_name} does not exist (check --node-name)")
+            self._failed(f"reading ResourceSlice {self.name} and its Node", f, now)
+            return False
+        self._current = current
+        self._need_read = False
+        self._next_resync = now + self._resync_s
+        self._update(reads=self.status().reads + 1)
+        if not self._not_served_logged:  # a GET answers while the API is not served: nothing recovered yet
+            self._recovered()
+        return True
+
+    def _write(self, now: float) -> None:
+        assert self._api is not None
+        writes = 0
+        try:
+            for attempt in range(MAX_CONFLICT_RETRIES + 1):
+                desired = self._desired()
+                body = update_body(self._current, desired)
+                if body is None:
+                    break
+                try:
+                    stored = self._send(body, desired)
+                except ApiFailure as f:
+                    if f.status not in (404, 409) or attempt == MAX_CONFLICT_RETRIES:
+                        raise
+                    # 409: someone changed (or created) the slice since our read; 404 on a PUT: someone deleted
+                    # it. Our write was refused whole: re-read and recompute from what the server has.
+                    if f.status == 409:
+                        self._update(conflicts=self.status().conflicts + 1)
+                    if not self._read(now):
+                        return
+                    continue
+                writes += 1
+                self._current = stored
+                if taints_dropped(body, stored):
+                    self._taints_off()
+        except _NotServed as exc:
+            self._need_read = True
+            self._not_served(exc.failure, now)
+            return
+        except ApiFailure as f:
+            self._need_read = True  # converge from what the server really has once it answers again
+            self._failed(f"writing ResourceSlice {self.name}", f, now)
+            return
+        finally:
+            if writes:
+                self._update(writes=self.status().writes + writes)
+        if self._not_served_logged and writes:
+            log.info("%s: the API server now serves resource.k8s.io/v1; ResourceSlice %s written", LABEL, self.name)
+            self._not_served_logged = False
+        self._sched.succeeded()
+        self._recovered()
+        self._check_pending(now)  # a change that arrived while the write was in flight stays pending
+
+    def _send(self, body: dict[str, Any], desired: dict[str, Any]) -> dict[str, Any]:
+        assert self._api is not None
+        current = self._current
+        if current is not None and must_recreate(current, desired):
+            # Driver, node and pool name are immutable: an update changing one is refused.
+            self._api.delete_resource_slice(self.name)
+            self._current = None
+            # Past the old generation, so no consumer that saw the old pool takes the new one for older.
+            body = dict(desired)
+            body["spec"] = {**desired["spec"],
+                            "pool": {**desired["spec"]["pool"], "generation": next_generation(current, desired)}}
+            current = None
+        if current is None:
+            try:
+                return self._api.create_resource_slice(body)
+            except ApiFailure as f:
+                if f.status == 404:
+                    raise _NotServed(f) from None
+                raise
+        return self._api.update_resource_slice(self.name, body)
+
+    def _taints_off(self) -> None:
+        log.warning("%s: the API server dropped the device taints of ResourceSlice %s: the DRADeviceTaints "
+                    "feature gate is off on this cluster, so device taints are not published and only the "
+                    "health stream carries device health", LABEL, self.name)
+        self.settings = replace(self.settings, taints=False)
+        self._update(taints_published=False)
+
+    # Uninstall ------------------------------------------------------------------------------------------------
+
+    def delete_slice(self) -> None:
+        """Delete the node's slice (already gone is fine), for an explicit uninstall; the writer never writes it
+        again. Call it after :meth:`stop`; a failure raises :class:`ApiFailure`."""
+        self._retired = True
+        api = self._factory()
+        try:
+            api.delete_resource_slice(self.name)
+        finally:
+            api.close()
+        self._current = None
+        self._update(writes=self.status().writes + 1)

@@ -1,0 +1,104 @@
+"""The App in DRA mode, wired as ``run`` wires it: the DRA driver instead of the device-plugin supervisor, /readyz
+true only once the kubelet took the registration, the health stream fed by the real monitor, and an API server that
+cannot be reached costing a per-claim error, never the process. The kubelet is played by grpc clients."""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from api.dra.v1 import api_pb2 as dra_pb2
+from api.dra.v1 import api_pb2_grpc as dra_grpc
+from api.drahealth.v1 import api_pb2 as h_pb2
+from api.drahealth.v1 import api_pb2_grpc as h_grpc
+from api.pluginregistration.v1 import api_pb2 as reg_pb2
+from api.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+from plugin.app import App
+from plugin.config import load
+from tests.conftest import NodeFile
+
+DRIVER = "gpu.gpu-health.io"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _probe(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+@pytest.fixture
+def app(short_socket_dir: Path, dev_root: Path) -> Iterator[tuple[App, int, NodeFile]]:
+    root = short_socket_dir
+    node = NodeFile(root / "node.json")
+    # An API server nobody listens on: the slice writer and the claim reads fail and back off.
+    kubeconfig = root / "kubeconfig"
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{_free_port()}"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
+    port = _free_port()
+    flags = {"mode": "dra", "backend": "simulated", "simulated_node": str(node.path), "node_name": "gpu-node-1",
+             "kubeconfig": str(kubeconfig), "state_dir": str(root / "state"), "dev_root": str(dev_root),
+             "device_plugin_dir": str(root / "dp"), "dra_plugin_dir": str(root / "plugins" / DRIVER),
+             "dra_registry_dir": str(root / "registry"), "cdi_spec_dir": str(root / "cdi"),
+             "poll_interval": "0.1", "metrics_address": f"127.0.0.1:{port}", "annotations": "false",
+             "events": "false"}
+    a = App(load(flags, {}, None))
+    a.start()
+    yield a, port, node
+    a.stop.set()
+    a.shutdown()
+
+
+def test_dra_mode_serves_the_kubelet_through_dra_only_and_is_ready_once_registered(
+        app: tuple[App, int, NodeFile], short_socket_dir: Path) -> None:
+    a, port, node = app
+    assert a.supervisor is None and a.dra is not None and a.correlator is None
+    # No device-plugin socket: a GPU is never offered both ways.
+    assert not (short_socket_dir / "dp").exists() or not any((short_socket_dir / "dp").iterdir())
+    reg_path = short_socket_dir / "registry" / f"{DRIVER}-reg.sock"
+    assert reg_path.is_socket()
+    assert _probe(port, "/readyz")[0] == 503
+    with grpc.insecure_channel(f"unix://{reg_path}") as ch:
+        stub = reg_grpc.RegistrationStub(ch)
+        info = stub.GetInfo(reg_pb2.InfoRequest(), timeout=5)
+        assert (info.type, info.name) == ("DRAPlugin", DRIVER)
+        assert info.endpoint == str(short_socket_dir / "plugins" / DRIVER / "dra.sock")
+        stub.NotifyRegistrationStatus(reg_pb2.RegistrationStatus(plugin_registered=True), timeout=5)
+    status, body = _probe(port, "/readyz")
+    assert status == 200 and "registered with the kubelet" in body, body
+    with grpc.insecure_channel(f"unix://{info.endpoint}") as ch:
+        # The health stream comes from the monitor: a fault on the node file arrives with its reason.
+        stream = h_grpc.DRAResourceHealthStub(ch).NodeWatchResources(h_pb2.NodeWatchResourcesRequest(), timeout=20)
+        first = next(stream)
+        assert sorted(d.device.device_name for d in first.devices) == [f"gpu-{i}" for i in range(8)]
+        assert {d.device.pool_name for d in first.devices} == {"gpu-node-1"}
+        node.set(3, xid_events=[79])
+        for report in stream:
+            got = {d.device.device_name: d for d in report.devices}
+            if got["gpu-3"].health == h_pb2.UNHEALTHY:
+                assert got["gpu-3"].message.startswith("xid-79"), got["gpu-3"].message
+                assert got["gpu-2"].health == h_pb2.HEALTHY
+                break
+        stream.cancel()
+        # The API server is unreachable: the claim gets an error of its own naming it; the process serves on.
+        resp = dra_grpc.DRAPluginStub(ch).NodePrepareResources(dra_pb2.NodePrepareResourcesRequest(
+            claims=[dra_pb2.Claim(namespace="ns", uid="u-1", name="c")]), timeout=10)
+        assert resp.claims["u-1"].error and "c" in resp.claims["u-1"].error
+    assert _probe(port, "/healthz")[0] == 200

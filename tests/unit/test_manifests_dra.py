@@ -1,0 +1,97 @@
+"""DRA mode's manifests (components/dra, overlays/dra, overlays/local-cluster-dra): valid against a release that has
+resource.k8s.io/v1, accepted by the plugin in DRA mode, the kubelet's paths mounted where the plugin registers them,
+and nothing else of the base changed. They run for real in tests/e2e/test_stories_dra.py."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+
+from plugin.outlets.resourceslices import DRIVER
+from scripts.localcluster import cluster as lc
+from tests.unit.test_manifests import (
+    MANIFESTS,
+    NAME,
+    NAMESPACE,
+    _plugin_config,
+    container,
+    find,
+    kinds,
+    kubectl,
+    render,
+)
+
+__all__ = ["kubectl"]
+
+DRA_VERSION = "1.37.0"  # resource.k8s.io/v1 is GA from 1.34; the schemas checked are the conformance server's
+
+
+@pytest.fixture(scope="module")
+def rendered(kubectl: Path) -> dict[str, list[dict[str, Any]]]:
+    return {o: render(kubectl, MANIFESTS / "overlays" / o) for o in ("dra", "local-cluster-dra")} | {
+        "base": render(kubectl, MANIFESTS / "base"), "local-cluster": render(kubectl, MANIFESTS / "overlays" /
+                                                                              "local-cluster")}
+
+
+@pytest.mark.parametrize("overlay", ["dra", "local-cluster-dra"])
+def test_valid_and_accepted_by_the_plugin_in_dra_mode(rendered: dict[str, list[dict[str, Any]]], overlay: str,
+                                                      tmp_path: Path) -> None:
+    for obj in rendered[overlay]:
+        kubernetes_validate.validate(obj, DRA_VERSION, strict=True)
+    cfg, _ = _plugin_config(rendered[overlay], tmp_path)
+    assert cfg.mode == "dra"
+    # The kubelet connects to the endpoint we register and containerd reads the CDI dir: the paths inside the pod
+    # must be the host's.
+    spec = find(rendered[overlay], "DaemonSet", NAME)["spec"]["template"]["spec"]
+    host = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
+    mounts = {m["name"]: m["mountPath"] for m in container(find(rendered[overlay], "DaemonSet", NAME))["volumeMounts"]}
+    for volume, path in (("dra-plugin", cfg.dra_plugin_dir), ("plugins-registry", cfg.dra_registry_dir),
+                         ("cdi", cfg.cdi_spec_dir)):
+        assert mounts[volume] == host[volume] == str(path), volume
+    if overlay == "local-cluster-dra":
+        layout = lc.Layout()
+        assert cfg.dra_plugin_dir == layout.kubelet_root / "plugins" / DRIVER
+        assert cfg.dra_registry_dir == layout.kubelet_root / "plugins_registry"
+        assert cfg.cdi_spec_dir == layout.cdi_dir
+    else:
+        assert str(cfg.dra_registry_dir) == "/var/lib/kubelet/plugins_registry"
+        assert str(cfg.cdi_spec_dir) == "/var/run/cdi"
+
+
+def test_the_device_class_selects_the_driver_and_the_grants_are_narrow(
+        rendered: dict[str, list[dict[str, Any]]]) -> None:
+    objs = rendered["dra"]
+    dc = find(objs, "DeviceClass", DRIVER)
+    assert dc["spec"]["selectors"] == [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}]
+    rules = find(objs, "ClusterRole", f"{NAME}-dra")["rules"]
+    granted = {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+    assert granted == {("resource.k8s.io", "resourceslices", v) for v in ("get", "create", "update", "delete")} | {
+        ("resource.k8s.io", "resourceclaims", "get")}
+    crb = find(objs, "ClusterRoleBinding", f"{NAME}-dra")
+    assert crb["subjects"] == [{"kind": "ServiceAccount", "name": NAME, "namespace": NAMESPACE}]
+
+
+def _names(v: list[dict[str, Any]], key: str = "name") -> list[str]:
+    return [x[key] for x in v]
+
+
+@pytest.mark.parametrize(("overlay", "against"), [("dra", "base"), ("local-cluster-dra", "local-cluster")])
+def test_only_the_mode_mounts_and_grants_are_added(rendered: dict[str, list[dict[str, Any]]], overlay: str,
+                                                   against: str) -> None:
+    over, base = rendered[overlay], rendered[against]
+    added = kinds(over) - kinds(base)
+    assert added == {("DeviceClass", DRIVER), ("ClusterRole", f"{NAME}-dra"), ("ClusterRoleBinding", f"{NAME}-dra")}
+    # local-cluster carries the node condition; DRA mode's overlay does not, which is its only other difference.
+    ds = copy.deepcopy(find(over, "DaemonSet", NAME))
+    want = copy.deepcopy(find(base, "DaemonSet", NAME))
+    c, w = container(ds), container(want)
+    extra = [a for a in c["args"] if a not in w["args"]]
+    assert extra[0] == "--mode=dra" and all(a.startswith(("--dra-", "--cdi-spec-dir=")) for a in extra[1:])
+    assert [a for a in w["args"] if a not in c["args"]] in ([], ["--node-condition=true"])
+    assert sorted(set(_names(c["volumeMounts"])) - set(_names(w["volumeMounts"]))) == ["cdi", "dra-plugin",
+                                                                                       "plugins-registry"]
+    assert set(_names(w["volumeMounts"])) <= set(_names(c["volumeMounts"]))
