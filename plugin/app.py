@@ -115,7 +115,7 @@ def make_correlator(cfg: Config, state: NodeState, resources: Sequence[Resource]
 
 def make_dra(cfg: Config, state: NodeState, alloc: AllocationConfig, clock: Callable[[], float]) -> DraMode:
     from plugin.dra.mode import DraMode, DraSettings
-    from plugin.outlets.kubeapi import KubeClient
+    from plugin.outlets.kubeapi import ApiFailure, KubeClient
     settings = DraSettings(
         node_name=cfg.node_name, plugin_dir=cfg.dra_plugin_dir, registry_dir=cfg.dra_registry_dir,
         cdi_dir=cfg.cdi_spec_dir, state_dir=cfg.state_dir, dev_dir=alloc.dev_dir,
@@ -124,7 +124,14 @@ def make_dra(cfg: Config, state: NodeState, alloc: AllocationConfig, clock: Call
         taint_prefix=cfg.annotation_prefix, debounce_s=cfg.report_debounce, min_interval_s=cfg.report_min_interval,
         resync_s=cfg.report_resync_interval, backoff_max_s=cfg.report_backoff_max)
     kubeconfig = cfg.kubeconfig
-    return DraMode(settings, state, lambda: KubeClient(kubeconfig), lambda: KubeClient(kubeconfig), clock)
+    # DRA mode cannot prepare a claim without the API server, so a client that can never be built is a start-up
+    # error here, where the reporter (which can wait) retries instead.
+    try:
+        claims = KubeClient(kubeconfig)
+    except ApiFailure as exc:
+        label = cfg.name_of("kubeconfig") if kubeconfig is not None else "--mode dra"
+        raise StartupError(f"{label}: {exc.message}") from None
+    return DraMode(settings, state, claims, lambda: KubeClient(kubeconfig), clock)
 
 
 class App:

@@ -126,23 +126,30 @@ def _holder(fd: int) -> str:
     return f"pid {words[0]}" + (f" on {words[1]}" if len(words) > 1 else "")
 
 
+def _socket_fits(path: Path, label: str, what: str) -> None:
+    size = len(os.fsencode(path))
+    if size > UNIX_PATH_MAX:
+        raise StartupError(f"{label}: the {what} path {path} is {size} bytes; a unix socket path has at most "
+                           f"{UNIX_PATH_MAX}")
+
+
 def check_paths(cfg: Config) -> None:
     """Every path option, checked before anything serves, so a bad one is one line at start (exit 1)."""
     if cfg.mode == "dra":
+        from plugin.dra.server import DRA_SOCKET, registration_socket_name
+        from plugin.outlets.resourceslices import DRIVER
+
         # The kubelet's device-plugin directory is not ours to use in DRA mode; these three are.
         for name in ("dra_plugin_dir", "dra_registry_dir", "cdi_spec_dir"):
             _usable_dir(getattr(cfg, name), cfg.name_of(name))
-        dra_sock = cfg.dra_plugin_dir / "dra.sock"
-        if len(os.fsencode(dra_sock)) > UNIX_PATH_MAX:
-            raise StartupError(f"{cfg.name_of('dra_plugin_dir')}: the DRA socket path {dra_sock} is "
-                               f"{len(os.fsencode(dra_sock))} bytes; a unix socket path has at most {UNIX_PATH_MAX}")
+        _socket_fits(cfg.dra_plugin_dir / DRA_SOCKET, cfg.name_of("dra_plugin_dir"), "DRA socket")
+        _socket_fits(cfg.dra_registry_dir / registration_socket_name(DRIVER), cfg.name_of("dra_registry_dir"),
+                     "registration socket")
     else:
         _usable_dir(cfg.device_plugin_dir, cfg.name_of("device_plugin_dir"))
     sock = cfg.health_socket_path
     label = cfg.name_of("health_socket") if cfg.health_socket is not None else cfg.name_of("state_dir")
-    if len(os.fsencode(sock)) > UNIX_PATH_MAX:
-        raise StartupError(f"{label}: the health socket path {sock} is {len(os.fsencode(sock))} bytes; a unix "
-                           f"socket path has at most {UNIX_PATH_MAX}")
+    _socket_fits(sock, label, "health socket")
     if cfg.health_socket is not None:
         _usable_dir(sock.parent, label, file=sock)
     if sock.is_dir():

@@ -7,20 +7,17 @@ our registration" in both modes.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from plugin.dra.driver import ClaimApi, Driver
+from plugin.dra.driver import Driver
 from plugin.dra.health import HealthSettings
 from plugin.dra.server import DraServer
 from plugin.health.node_state import NodeState
-from plugin.outlets.kubeapi import SliceApi
+from plugin.outlets.kubeapi import ClaimApi, SliceApi
 from plugin.outlets.resourceslices import DRIVER, SliceSettings
 from plugin.outlets.slicewriter import SliceWriter
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -54,11 +51,12 @@ class _Record:
 
 
 class DraMode:
-    def __init__(self, settings: DraSettings, state: NodeState, claims: Callable[[], ClaimApi],
+    def __init__(self, settings: DraSettings, state: NodeState, claims: ClaimApi,
                  slices: Callable[[], SliceApi], clock: Callable[[], float]) -> None:
         self.settings = settings
         self.state = state
-        self._claims = claims()
+        # Its own connection: the kubelet's prepare calls must not queue behind the slice writer's requests.
+        self._claims = claims
         self.driver = Driver(state, self._claims, settings.node_name, settings.cdi_dir, settings.state_dir,
                              settings.dev_dir, allow_unhealthy=settings.allow_unhealthy)
         self.slice_writer = SliceWriter(
@@ -70,7 +68,6 @@ class DraMode:
         self.server = DraServer(settings.plugin_dir, settings.registry_dir, state, self.driver,
                                 HealthSettings(pool=settings.node_name, degraded_as=settings.degraded_as),
                                 driver_name=DRIVER, on_registered=self.slice_writer.resync_now)
-        self._failure: str | None = None
 
     def start(self) -> None:
         self.server.start()
@@ -81,9 +78,7 @@ class DraMode:
         # the last plugin of the driver went, which is what an uninstall needs.
         self.slice_writer.stop(timeout=min(timeout_s, 0.5))
         self.server.stop(grace_s=min(timeout_s, 0.5))
-        close = getattr(self._claims, "close", None)
-        if close is not None:
-            close()
+        self._claims.close()
 
     # What the probes and metrics read (plugin/outlets/metrics/sources.py: SupervisorLoop) ---------------------
 
@@ -95,4 +90,5 @@ class DraMode:
                        last_registered_at=c.last_registered_at, last_error=status.last_error)
 
     def failure(self) -> str | None:
-        return self._failure
+        # No loop of its own that could die: the sockets' audit and the slice writer recover from their errors.
+        return None

@@ -32,6 +32,12 @@ def _setup(root: Path) -> None:
     (root / "afile").write_text("not a directory\n")
     (root / "adir").mkdir()
     (root / "bad.yaml").write_text("version: v1\nplugin: [\n")
+    # A kubeconfig whose user authenticates through an exec plugin, which our client refuses.
+    (root / "exec.kubeconfig").write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        "clusters: [{name: c, cluster: {server: 'https://127.0.0.1:1'}}]\n"
+        "users: [{name: u, user: {exec: {command: foo, apiVersion: client.authentication.k8s.io/v1}}}]\n"
+        "contexts: [{name: c, context: {cluster: c, user: u}}]\n")
 
 
 LONG = "x" * 120
@@ -64,6 +70,17 @@ CASES: dict[str, Case] = {
     "dev root is a regular file": Case({"--dev-root": "{root}/afile"}, says=("--dev-root {root}/afile",)),
     "kubeconfig missing": Case(
         {"--kubeconfig": "{root}/kubeconfig"}, says=("--kubeconfig {root}/kubeconfig", "No such file")),
+    # DRA mode (docs/dra.md): its own dirs, and the API access it cannot work without, checked before serving.
+    "dra registry dir under a regular file": Case(
+        {"--mode": "dra", "--node-name": "n1", "--dra-plugin-dir": "{root}/pl", "--cdi-spec-dir": "{root}/cdi",
+         "--dra-registry-dir": "{root}/afile/reg"}, says=("--dra-registry-dir {root}/afile/reg", "Not a directory")),
+    "dra socket path too long": Case(
+        {"--mode": "dra", "--node-name": "n1", "--dra-plugin-dir": "{root}/" + LONG, "--cdi-spec-dir": "{root}/cdi",
+         "--dra-registry-dir": "{root}/reg"}, says=("--dra-plugin-dir", "dra.sock", "at most 107")),
+    "dra mode with a kubeconfig no client can use": Case(
+        {"--mode": "dra", "--node-name": "n1", "--dra-plugin-dir": "{root}/pl", "--cdi-spec-dir": "{root}/cdi",
+         "--dra-registry-dir": "{root}/reg", "--kubeconfig": "{root}/exec.kubeconfig"},
+        says=("--kubeconfig", "{root}/exec.kubeconfig", "exec credential plugins are not supported")),
     "simulated node file missing": Case(
         {"--simulated-node": "{root}/missing.json"}, rc=2,
         says=("--simulated-node", "{root}/missing.json", "No such file")),
