@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Protocol
+from typing import Any
 
 import grpc
 
@@ -32,7 +32,7 @@ from plugin.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
 from plugin.health.node_state import DeviceStatus, NodeState
 from plugin.health.reasons import KubeletHealth
 from plugin.outlets.annotations import top_reasons
-from plugin.outlets.kubeapi import ApiFailure
+from plugin.outlets.kubeapi import ApiFailure, ClaimApi
 from plugin.outlets.resourceslices import DRIVER, device_names
 
 log = logging.getLogger(__name__)
@@ -48,12 +48,6 @@ def _registration_name(pb: ModuleType) -> str:
 GRPC_SERVICE_NAMES: tuple[str, ...] = tuple(pb.DESCRIPTOR.services_by_name["DRAPlugin"].full_name
                                             for pb in (v1_pb2, v1beta1_pb2))
 SERVICE_NAMES: tuple[str, ...] = (_registration_name(v1_pb2), _registration_name(v1beta1_pb2))
-
-
-class ClaimApi(Protocol):
-    """The one call prepare needs of the API server. Raises ``ApiFailure``."""
-
-    def get_resource_claim(self, namespace: str, name: str) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)
