@@ -30,10 +30,9 @@ from api.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
 from plugin.dra import cdi
 from plugin.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
 from plugin.health.node_state import DeviceStatus, NodeState
-from plugin.health.reasons import KubeletHealth
 from plugin.outlets.annotations import top_reasons
 from plugin.outlets.kubeapi import ApiFailure, ClaimApi
-from plugin.outlets.resourceslices import DRIVER, device_names
+from plugin.outlets.resourceslices import DRIVER, SliceSettings, allocatable, device_names, device_plan
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +84,20 @@ def check_request(claims: Sequence[ClaimRef]) -> None:
         seen[c.uid] = i
 
 
+def _why(status: DeviceStatus) -> str:
+    top = top_reasons(status.reasons)
+    return top[0].code if top else status.state.value
+
+
+def _not_allocatable(status: DeviceStatus, settings: SliceSettings) -> str:
+    plan = device_plan(status, settings)
+    if plan.taint is None:
+        return "it is left out of the ResourceSlice (the cluster drops device taints)"
+    t = plan.taint
+    value = f"={t['value']}" if "value" in t else ""
+    return f"the claim does not tolerate its taint {t['key']}{value}:{t['effect']}"
+
+
 def _get(obj: Any, path: str) -> Any:
     for key in path.split("."):
         if not isinstance(obj, dict):
@@ -94,13 +107,21 @@ def _get(obj: Any, path: str) -> Any:
 
 
 class Driver:
+    """``slice_settings`` gives the settings the ResourceSlice is written with now (the writer turns taints off
+    when it finds the cluster drops them): Prepare judges each device by the same ``allocatable`` rule the slice is
+    built from, so what the scheduler may allocate is what the driver prepares. ``allow_unhealthy`` prepares
+    whatever the scheduler hands over, allocatable now or not."""
+
     def __init__(self, state: NodeState, claims: ClaimApi, node_name: str, cdi_dir: Path, checkpoint_dir: Path,
                  dev_dir: str, allow_unhealthy: bool = False, driver_name: str = DRIVER,
-                 exists: Callable[[str], bool] = os.path.exists) -> None:
+                 exists: Callable[[str], bool] = os.path.exists,
+                 slice_settings: Callable[[], SliceSettings] | None = None) -> None:
         self._state = state
         self._api = claims
         self.node_name = node_name
-        self.pool = node_name  # the ResourceSlice outlet's pool: one per node, named after it
+        fixed = SliceSettings(node_name=node_name, driver=driver_name)
+        self._slice_settings: Callable[[], SliceSettings] = slice_settings or (lambda: fixed)
+        self.pool = self._slice_settings().pool_name  # the ResourceSlice outlet's pool: one per node, named after it
         self.cdi_dir = cdi_dir
         self.dev_dir = dev_dir
         self.allow_unhealthy = allow_unhealthy
@@ -173,6 +194,8 @@ class Driver:
             results = []
         # One device may serve several requests of the claim; it is still one GPU, named once, in first-seen order.
         requests: dict[str, list[str]] = {}
+        # The tolerations each request had when the scheduler allocated the device (the allocation keeps a copy).
+        tolerations: dict[str, list[list[dict[str, Any]]]] = {}
         for i, r in enumerate(results):
             if not isinstance(r, dict) or r.get("driver") != self.driver_name or r.get("pool") != self.pool:
                 continue
@@ -182,19 +205,22 @@ class Driver:
             names = requests.setdefault(device, [])
             if request not in names:
                 names.append(request)
+            tolerated = r.get("tolerations")
+            tolerations.setdefault(device, []).append(
+                [t for t in tolerated if isinstance(t, dict)] if isinstance(tolerated, list) else [])
         if not requests:
             raise _ClaimError(f"{what} has no device of driver {self.driver_name} in pool {self.pool} allocated")
         by_name = self._devices_by_name()
+        settings = self._slice_settings()
         out: list[PreparedDevice] = []
         for device, names in requests.items():
             status = by_name.get(device)
             if status is None:
                 raise _ClaimError(f"{what}: device {device!r} is not a GPU of node {self.node_name}")
-            if status.kubelet_health != KubeletHealth.HEALTHY and not self.allow_unhealthy:
-                top = top_reasons(status.reasons)
-                why = top[0].code if top else status.state.value
-                raise _ClaimError(f"{what}: device {device!r} ({status.gpu.uuid}) is {status.state.value} ({why}); "
-                                  f"refusing to prepare it")
+            # Every request holding the device must be one the scheduler could give it to now.
+            if not self.allow_unhealthy and not all(allocatable(status, settings, t) for t in tolerations[device]):
+                raise _ClaimError(f"{what}: device {device!r} ({status.gpu.uuid}) is {status.state.value} "
+                                  f"({_why(status)}); {_not_allocatable(status, settings)}; refusing to prepare it")
             out.append(PreparedDevice(request_names=tuple(names), pool=self.pool, device=device,
                                       uuid=status.gpu.uuid, minor=status.gpu.dev_minor,
                                       cdi_ids=(cdi.cdi_id(c.uid, device, self.driver_name),)))

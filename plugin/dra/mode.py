@@ -57,14 +57,17 @@ class DraMode:
         self.state = state
         # Its own connection: the kubelet's prepare calls must not queue behind the slice writer's requests.
         self._claims = claims
-        self.driver = Driver(state, self._claims, settings.node_name, settings.cdi_dir, settings.state_dir,
-                             settings.dev_dir, allow_unhealthy=settings.allow_unhealthy)
         self.slice_writer = SliceWriter(
             state, SliceSettings(node_name=settings.node_name, taint_prefix=settings.taint_prefix,
                                  unhealthy_effect=settings.unhealthy_effect,
                                  degraded_taint=settings.degraded_taint),
             slices, debounce_s=settings.debounce_s, min_interval_s=settings.min_interval_s,
             resync_s=settings.resync_s, backoff_max_s=settings.backoff_max_s, clock=clock)
+        # Prepare reads the writer's settings as they are now: the same rule the slice is built from, taints off
+        # included once the writer finds the cluster drops them.
+        self.driver = Driver(state, self._claims, settings.node_name, settings.cdi_dir, settings.state_dir,
+                             settings.dev_dir, allow_unhealthy=settings.allow_unhealthy,
+                             slice_settings=lambda: self.slice_writer.settings)
         self.server = DraServer(settings.plugin_dir, settings.registry_dir, state, self.driver,
                                 HealthSettings(pool=settings.node_name, degraded_as=settings.degraded_as),
                                 driver_name=DRIVER, on_registered=self.slice_writer.resync_now)

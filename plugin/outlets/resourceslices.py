@@ -12,10 +12,19 @@ Attributes are written fully qualified under the driver's domain (``gpu.gpu-heal
 mean the same to the scheduler (bare names are taken as the driver's domain), but a claim's ``matchAttribute`` and
 ``distinctAttribute`` must be fully qualified, so the slice shows exactly the names a user writes there.
 
-Taints, at most one per device (a device has one state): ``<prefix>/unhealthy`` (effect ``unhealthy_effect``),
-``<prefix>/unknown`` (``unknown_effect``) and ``<prefix>/degraded`` (effect ``None``: the reason is visible, the
-device still allocatable); the value is the top reason code. A key per state lets a claim tolerate one state, say
-Degraded or Unknown, without tolerating a known fault. A Healthy device, or one without a status yet, has none.
+Taints, at most one per device (a device has one state), keyed by the state: ``<prefix>/unhealthy``,
+``<prefix>/unknown`` or ``<prefix>/degraded``, the value the top reason code. A key per state lets a claim tolerate
+one state, say Unknown, without tolerating a known fault. The effect follows the device's kubelet health (the
+``health.kubeletHealth`` mapping): a device the mapping keeps from pods gets an effect that keeps claims off
+(``unhealthy_effect``, ``unknown_effect``, NoSchedule for Degraded); one it lets pods use gets effect ``None``,
+which only informs. A Healthy device, or one without a status yet, has none.
+
+Allocatable ⇔ preparable: ``device_plan`` is the one decision of what the slice says about a device (in it or not,
+and its taint), and ``allocatable`` applies the scheduler's rule to that plan and a claim's tolerations. The slice
+is built from the plan and NodePrepareResources prepares a device exactly when ``allocatable`` says the scheduler
+may hand it to that claim, so a claim can never be allocated a device the driver then refuses. Without device
+taints on the cluster (``SliceSettings.taints`` off) the only way to keep a claim off a device is to leave it out
+of the slice, so a device the mapping keeps from pods is left out until it recovers.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ from typing import Any
 
 from plugin.devices.model import Gpu
 from plugin.health.node_state import DeviceStatus
-from plugin.health.reasons import State
+from plugin.health.reasons import KubeletHealth, State
 from plugin.outlets.annotations import top_reasons
 from plugin.outlets.kubecommon import COMPONENT, DEFAULT_PREFIX, rfc3339
 from plugin.validation import FieldError, check_prefix, is_dns_subdomain
@@ -48,7 +57,9 @@ NAME_MAX = 253  # metadata.name (a DNS subdomain) and the pool name
 LABEL_MAX = 63  # a DNS label (a device name) and a label value (a taint value)
 
 EFFECT_NONE = "None"
-TAINT_EFFECTS = ("NoSchedule", "NoExecute")  # the ones a setting may choose; None is the Degraded taint's
+# The effects that keep a claim off a device it does not tolerate; a setting chooses one of them. Any other effect
+# (None, or one added to the API later) only informs: the API tells consumers to treat an unknown one like None.
+TAINT_EFFECTS = ("NoSchedule", "NoExecute")
 UNHEALTHY_KEY = "unhealthy"
 UNKNOWN_KEY = "unknown"
 DEGRADED_KEY = "degraded"
@@ -72,7 +83,8 @@ class SliceSettings:
     unknown_effect: str = "NoSchedule"
     degraded_taint: bool = True
     # False once the writer has seen the API server drop the taints it sent (the DRADeviceTaints gate off): the
-    # slice must then stop asking for them, or every comparison with the stored copy would differ.
+    # slice must then stop asking for them, or every comparison with the stored copy would differ, and leaves out
+    # the devices a taint would have kept claims off (``device_plan``).
     taints: bool = True
     node_uid: str = ""  # when known, the Node owns the slice, so deleting the node deletes it
 
@@ -196,20 +208,48 @@ def device_attributes(gpu: Gpu, island: int, domain: str) -> dict[str, dict[str,
     return attrs
 
 
-def device_taint(status: DeviceStatus | None, settings: SliceSettings) -> dict[str, str] | None:
-    """The one taint a device's state asks for, or None. ``timeAdded`` is when the device entered its state: the
-    API server would stamp the current time on a taint without one, and then the stored copy never matches ours.
-    A change of reason within one state keeps the time, as the API documents for a changed value."""
-    if status is None or not settings.taints:
-        return None
-    if status.state is State.UNHEALTHY:
-        key, effect = UNHEALTHY_KEY, settings.unhealthy_effect
-    elif status.state is State.UNKNOWN:
-        key, effect = UNKNOWN_KEY, settings.unknown_effect
-    elif status.state is State.DEGRADED and settings.degraded_taint:
-        key, effect = DEGRADED_KEY, EFFECT_NONE
+@dataclass(frozen=True)
+class DevicePlan:
+    """What the slice says about one device: whether it is in the slice, and its taint (None: none)."""
+
+    listed: bool
+    taint: dict[str, str] | None = None
+
+
+_KEYS = {State.UNHEALTHY: UNHEALTHY_KEY, State.UNKNOWN: UNKNOWN_KEY, State.DEGRADED: DEGRADED_KEY}
+
+
+def _blocking_effect(state: State, settings: SliceSettings) -> str:
+    if state is State.UNHEALTHY:
+        return settings.unhealthy_effect
+    if state is State.UNKNOWN:
+        return settings.unknown_effect
+    # A Degraded device the mapping keeps from pods still works: keep new claims off, evict no one for it.
+    return "NoSchedule"
+
+
+def device_plan(status: DeviceStatus | None, settings: SliceSettings) -> DevicePlan:
+    """The one decision both the slice and Prepare read (see the module's docstring). A device the kubelet health
+    mapping lets pods use is listed with at most an informing taint; one it keeps from pods carries a taint that
+    keeps untolerating claims off, or, with taints off on the cluster, is not listed at all."""
+    if status is None or status.state is State.HEALTHY:
+        return DevicePlan(listed=True)
+    usable = status.kubelet_health is KubeletHealth.HEALTHY
+    if not settings.taints:
+        return DevicePlan(listed=True)
+    if usable:
+        if status.state is State.DEGRADED and not settings.degraded_taint:
+            return DevicePlan(listed=True)
+        effect = EFFECT_NONE
     else:
-        return None
+        effect = _blocking_effect(status.state, settings)
+    return DevicePlan(listed=True, taint=_taint(_KEYS[status.state], effect, status, settings))
+
+
+def _taint(key: str, effect: str, status: DeviceStatus, settings: SliceSettings) -> dict[str, str]:
+    """``timeAdded`` is when the device entered its state: the API server would stamp the current time on a
+    taint without one, and then the stored copy never matches ours. A change of reason within one state keeps the
+    time, as the API documents for a changed value."""
     taint = {"key": f"{settings.taint_prefix}/{key}"}
     top = top_reasons(status.reasons)
     value = taint_value(top[0].code) if top else ""
@@ -220,6 +260,34 @@ def device_taint(status: DeviceStatus | None, settings: SliceSettings) -> dict[s
     return taint
 
 
+def device_taint(status: DeviceStatus | None, settings: SliceSettings) -> dict[str, str] | None:
+    """The one taint a device's state asks for, or None."""
+    return device_plan(status, settings).taint
+
+
+def tolerates(toleration: Mapping[str, Any], taint: Mapping[str, Any]) -> bool:
+    """The scheduler's rule (resource.k8s.io/v1 DeviceToleration): an empty key matches every key, an empty
+    effect every effect; operator Exists matches any value, Equal (the default) only the taint's own."""
+    key, effect = toleration.get("key") or "", toleration.get("effect") or ""
+    if (key and key != taint.get("key")) or (effect and effect != taint.get("effect")):
+        return False
+    operator = toleration.get("operator") or "Equal"
+    if operator == "Exists":
+        return True
+    return operator == "Equal" and (toleration.get("value") or "") == (taint.get("value") or "")
+
+
+def allocatable(status: DeviceStatus | None, settings: SliceSettings,
+                tolerations: Iterable[Mapping[str, Any]] = ()) -> bool:
+    """Whether the scheduler may hand this device, as ``device_plan`` publishes it, to a request with these
+    tolerations: listed, and untainted, informingly tainted, or tolerated. Prepare asks exactly this."""
+    plan = device_plan(status, settings)
+    if not plan.listed:
+        return False
+    taint = plan.taint
+    return taint is None or taint["effect"] not in TAINT_EFFECTS or any(tolerates(t, taint) for t in tolerations)
+
+
 def gpu_statuses(devices: Iterable[DeviceStatus]) -> dict[str, DeviceStatus]:
     """GPU UUID -> status of the whole GPU, from a snapshot's devices; MIG devices are left out with the rest of
     MIG here."""
@@ -228,21 +296,24 @@ def gpu_statuses(devices: Iterable[DeviceStatus]) -> dict[str, DeviceStatus]:
 
 def desired_slice(gpus: Sequence[Gpu], statuses: Mapping[str, DeviceStatus], settings: SliceSettings,
                   generation: int = 1) -> dict[str, Any]:
-    """The whole ResourceSlice for ``gpus`` (``statuses`` by GPU UUID), at pool ``generation``. Devices are in
-    index order whatever the discovery order, so the same node gives the same bytes."""
+    """The whole ResourceSlice for ``gpus`` (``statuses`` by GPU UUID), at pool ``generation``: each device as
+    ``device_plan`` says, those it leaves out left out. Devices are in index order whatever the discovery order, so
+    the same node gives the same bytes."""
     if len(gpus) > MAX_DEVICES:
         raise ValueError(f"{len(gpus)} GPUs: a ResourceSlice with device taints holds at most {MAX_DEVICES}")
     names = device_names(gpus)
     islands = nvlink_islands(gpus)
     devices: list[dict[str, Any]] = []
     for g in sorted(gpus, key=lambda g: (g.index, g.uuid)):
+        plan = device_plan(statuses.get(g.uuid), settings)
+        if not plan.listed:
+            continue  # named among all GPUs above all the same, so no other device's name moves meanwhile
         device: dict[str, Any] = {"name": names[g.uuid],
                                   "attributes": device_attributes(g, islands[g.index], settings.driver)}
         if g.memory_mib > 0:
             device["capacity"] = {f"{settings.driver}/memory": {"value": memory_quantity(g.memory_mib)}}
-        taint = device_taint(statuses.get(g.uuid), settings)
-        if taint is not None:
-            device["taints"] = [taint]
+        if plan.taint is not None:
+            device["taints"] = [plan.taint]
         devices.append(device)
     metadata: dict[str, Any] = {"name": slice_name(settings), "labels": {MANAGED_BY: COMPONENT}}
     if settings.node_uid:

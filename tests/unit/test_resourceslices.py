@@ -16,7 +16,7 @@ import pytest
 from plugin.devices.model import Gpu
 from plugin.devices.simulated import builtin_node, parse_node
 from plugin.health.node_state import DeviceStatus, NodeState
-from plugin.health.reasons import Action, Reason, Source, State
+from plugin.health.reasons import Action, KubeletHealth, Reason, Source, State
 from plugin.outlets import resourceslices as rs
 from plugin.validation import FieldError, is_dns_subdomain, is_qualified_name
 from tests.fakes.node_devices import gpu, status
@@ -227,6 +227,58 @@ def test_an_unknown_device_is_not_evicted_for_not_being_known_unless_asked() -> 
         "NoExecute"
 
 
+@pytest.mark.parametrize(("state", "kubelet", "key", "effect"), [
+    (State.UNHEALTHY, KubeletHealth.UNHEALTHY, "unhealthy", "NoExecute"),
+    (State.UNHEALTHY, KubeletHealth.HEALTHY, "unhealthy", "None"),
+    (State.UNKNOWN, KubeletHealth.UNHEALTHY, "unknown", "NoSchedule"),
+    (State.UNKNOWN, KubeletHealth.HEALTHY, "unknown", "None"),
+    (State.DEGRADED, KubeletHealth.HEALTHY, "degraded", "None"),
+    # A Degraded device the mapping keeps from pods: claims kept off, no one evicted for it.
+    (State.DEGRADED, KubeletHealth.UNHEALTHY, "degraded", "NoSchedule"),
+])
+def test_the_effect_follows_the_kubelet_health_mapping(state: State, kubelet: KubeletHealth, key: str,
+                                                       effect: str) -> None:
+    g = gpu(0)
+    st = {g.uuid: replace(status(g, state, since=T0), kubelet_health=kubelet)}
+    for degraded_taint in (True, False):
+        settings = replace(SETTINGS, unhealthy_effect="NoExecute", degraded_taint=degraded_taint)
+        got = taints(rs.desired_slice([g], st, settings), 0)
+        if state is State.DEGRADED and kubelet is KubeletHealth.HEALTHY and not degraded_taint:
+            assert got == []  # the informing taint is the one the setting turns off
+            continue
+        assert [(t["key"], t["effect"]) for t in got] == [(f"gpu-health.io/{key}", effect)]
+
+
+@pytest.mark.parametrize(("toleration", "tolerated"), [
+    ({"key": "gpu-health.io/unknown", "operator": "Exists", "effect": "NoSchedule"}, True),
+    ({"key": "gpu-health.io/unknown", "operator": "Exists"}, True),
+    ({"key": "gpu-health.io/unknown", "operator": "Exists", "effect": "NoExecute"}, False),
+    ({"key": "gpu-health.io/unknown", "operator": "Equal", "value": "nvml-error"}, True),
+    ({"key": "gpu-health.io/unknown", "value": "nvml-error"}, True),  # Equal is the default
+    ({"key": "gpu-health.io/unknown", "value": "xid-79"}, False),
+    ({"key": "gpu-health.io/unknown"}, False),  # Equal to an empty value
+    ({"key": "gpu-health.io/unhealthy", "operator": "Exists"}, False),
+    ({"operator": "Exists"}, True),
+    ({"operator": "Exists", "effect": "NoSchedule"}, True),
+    ({"key": "gpu-health.io/unknown", "operator": "Lt", "value": "nvml-error"}, False),  # no such operator
+])
+def test_tolerations_match_as_the_scheduler_matches_them(toleration: dict[str, str], tolerated: bool) -> None:
+    g = gpu(0)
+    st = status(g, State.UNKNOWN, "nvml-error", since=T0)
+    taint = rs.device_taint(st, SETTINGS)
+    assert taint is not None and (taint["key"], taint["effect"]) == ("gpu-health.io/unknown", "NoSchedule")
+    assert rs.tolerates(toleration, taint) is tolerated
+    assert rs.allocatable(st, SETTINGS, [toleration]) is tolerated
+    assert rs.allocatable(st, SETTINGS, [{"key": "example.com/x", "operator": "Exists"}, toleration]) is tolerated
+    assert not rs.allocatable(st, SETTINGS)
+
+
+def test_an_informing_taint_or_none_leaves_a_device_allocatable_to_every_claim() -> None:
+    g = gpu(0)
+    for st in (status(g, since=T0), status(g, State.DEGRADED, "thermal-slowdown", since=T0), None):
+        assert rs.allocatable(st, SETTINGS)
+
+
 def test_healthy_or_not_yet_known_devices_have_no_taint_and_recovery_removes_it() -> None:
     gpus = sim_gpus()
     st = healthy(gpus)
@@ -243,7 +295,7 @@ def test_healthy_or_not_yet_known_devices_have_no_taint_and_recovery_removes_it(
 
 def test_an_unhealthy_device_without_a_reason_has_a_taint_without_a_value() -> None:
     g = gpu(0)
-    st = {g.uuid: DeviceStatus(g.uuid, g, State.UNHEALTHY, (), T0, status(g).kubelet_health)}
+    st = {g.uuid: DeviceStatus(g.uuid, g, State.UNHEALTHY, (), T0, KubeletHealth.UNHEALTHY)}
     obj = rs.desired_slice([g], st, SETTINGS)
     assert taints(obj, 0) == [{"key": "gpu-health.io/unhealthy", "effect": "NoSchedule",
                                "timeAdded": "2026-01-01T00:00:00Z"}]
@@ -264,7 +316,7 @@ def test_taint_keys_and_values_are_valid_label_names_and_values_even_for_odd_rea
     g = gpu(0)
     st = {g.uuid: DeviceStatus(g.uuid, g, State.UNHEALTHY,
                                (Reason(long_a, State.UNHEALTHY, "m", Source.POLL, Action.DRAIN, T0),), T0,
-                               status(g).kubelet_health)}
+                               KubeletHealth.UNHEALTHY)}
     for prefix in ("gpu-health.io", "a-very.long.example.com"):
         (t,) = taints(rs.desired_slice([g], st, replace(SETTINGS, taint_prefix=prefix)), 0)
         assert is_qualified_name(t["key"]) and t["value"] == rs.taint_value(long_a)
