@@ -236,7 +236,8 @@ def device_plan(status: DeviceStatus | None, settings: SliceSettings) -> DeviceP
         return DevicePlan(listed=True)
     usable = status.kubelet_health is KubeletHealth.HEALTHY
     if not settings.taints:
-        return DevicePlan(listed=True)
+        # Nothing but absence keeps a claim off a device the cluster will not let us taint.
+        return DevicePlan(listed=usable)
     if usable:
         if status.state is State.DEGRADED and not settings.degraded_taint:
             return DevicePlan(listed=True)
@@ -404,7 +405,8 @@ def update_body(current: Mapping[str, Any] | None, desired: Mapping[str, Any]) -
 
 def taints_dropped(sent: Mapping[str, Any], stored: Mapping[str, Any]) -> bool:
     """Whether the API server dropped every taint we sent: it does so while the DRADeviceTaints gate is off. The
-    writer then logs it once and turns ``SliceSettings.taints`` off; the health stream carries the reasons."""
+    writer then logs it once and turns ``SliceSettings.taints`` off, which leaves out of the slice the devices the
+    taints kept claims off; the health stream carries the reasons."""
     def count(obj: Mapping[str, Any]) -> int:
         return sum(len(d.get("taints") or ()) for d in (obj.get("spec") or {}).get("devices") or ())
     return count(sent) > 0 and count(stored) == 0

@@ -10,7 +10,9 @@ A thin writer around the pure parts in ``resourceslices.py``, paced as the node 
   resource.k8s.io/v1 is logged once and asked again at the back-off cap;
 - every PUT carries the resourceVersion it was computed from; a 409 re-reads and recomputes at once (bounded);
 - the API server drops device taints while its DRADeviceTaints gate is off: seen once, logged once, and the writer
-  stops asking for taints, so its comparison with the stored copy settles instead of writing forever.
+  stops asking for taints, so its comparison with the stored copy settles instead of writing forever; the devices
+  the taints kept claims off are left out of the slice until they recover (rewritten at once, in the same step:
+  an untainted faulty device is allocatable).
 
 Stopping leaves the slice in place: a restarting plugin must not make the node's devices vanish from the scheduler.
 The Node owns the slice (when its UID could be read), so deleting the node deletes it; ``delete_slice`` is the
@@ -284,8 +286,9 @@ class SliceWriter(OutletThread):
 
     def _taints_off(self) -> None:
         log.warning("%s: the API server dropped the device taints of ResourceSlice %s: the DRADeviceTaints "
-                    "feature gate is off on this cluster, so device taints are not published and only the "
-                    "health stream carries device health", LABEL, self.name)
+                    "feature gate is off on this cluster, so devices kept from pods (Unhealthy, and as "
+                    "health.kubeletHealth maps them, Unknown or Degraded) are left out of the slice until they "
+                    "recover, and only the health stream carries device health", LABEL, self.name)
         self.settings = replace(self.settings, taints=False)
         self._update(taints_published=False)
 

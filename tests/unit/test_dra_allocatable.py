@@ -178,7 +178,7 @@ STATES_AND_MAPPINGS = [(s, k) for s in State for k in KubeletHealth
 @pytest.mark.parametrize("allow_unhealthy", [False, True], ids=["strict", "allow-unhealthy"])
 @pytest.mark.parametrize("degraded_taint", [True, False], ids=["degraded-taint", "no-degraded-taint"])
 @pytest.mark.parametrize("effect", ["NoSchedule", "NoExecute"])
-@pytest.mark.parametrize("taints", [True], ids=["taints"])
+@pytest.mark.parametrize("taints", [True, False], ids=["taints", "gate-off"])
 @pytest.mark.parametrize(("state", "kubelet"), STATES_AND_MAPPINGS, ids=[f"{s}-as-{k}" for s, k in STATES_AND_MAPPINGS])
 def test_allocatable_iff_preparable_for_every_combination(tmp_path: Path, state: State, kubelet: KubeletHealth,
                                                          taints: bool, effect: str, degraded_taint: bool,

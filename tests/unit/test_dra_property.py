@@ -79,7 +79,7 @@ class DraNode(RuleBasedStateMachine):
     @initialize(mapping=st.fixed_dictionaries({s: st.sampled_from(list(KubeletHealth))
                                                for s in (State.DEGRADED, State.UNKNOWN, State.UNHEALTHY)}),
                 unhealthy_effect=st.sampled_from(rs.TAINT_EFFECTS), unknown_effect=st.sampled_from(rs.TAINT_EFFECTS),
-                degraded_taint=st.booleans(), gate_on=st.just(True), allow_unhealthy=st.booleans())
+                degraded_taint=st.booleans(), gate_on=st.booleans(), allow_unhealthy=st.booleans())
     def start(self, mapping: dict[State, KubeletHealth], unhealthy_effect: str, unknown_effect: str,
               degraded_taint: bool, gate_on: bool, allow_unhealthy: bool) -> None:
         self.mapping = {State.HEALTHY: KubeletHealth.HEALTHY, **mapping}

@@ -334,7 +334,31 @@ def test_taints_can_be_turned_off_and_a_server_that_dropped_them_is_recognised()
     assert not rs.taints_dropped(sent, as_stored(sent))
     assert not rs.taints_dropped(rs.desired_slice(gpus, healthy(gpus), SETTINGS), stored)
     untainted = rs.desired_slice(gpus, st, replace(SETTINGS, taints=False))
-    assert not rs.slice_changed(stored, untainted)  # with taints off the stored copy matches: no write per poll
+    # Without taints an Unhealthy device would be allocatable untainted: it is left out until it recovers, and the
+    # others keep their names.
+    assert [d["name"] for d in devices(untainted)] == [f"gpu-{i}" for i in range(8) if i != 2]
+    assert all("taints" not in d for d in devices(untainted))
+    assert rs.slice_changed(stored, untainted)
+    # Once written, the stored copy matches: no write per poll.
+    assert not rs.slice_changed(as_stored(untainted), rs.desired_slice(gpus, st, replace(SETTINGS, taints=False)))
+
+
+@pytest.mark.parametrize(("state", "kubelet", "listed"), [
+    (State.UNHEALTHY, KubeletHealth.UNHEALTHY, False),
+    (State.UNKNOWN, KubeletHealth.UNHEALTHY, False),
+    (State.DEGRADED, KubeletHealth.UNHEALTHY, False),
+    (State.UNHEALTHY, KubeletHealth.HEALTHY, True),
+    (State.UNKNOWN, KubeletHealth.HEALTHY, True),
+    (State.DEGRADED, KubeletHealth.HEALTHY, True),
+])
+def test_without_taints_the_mapping_decides_which_devices_are_in_the_slice(state: State, kubelet: KubeletHealth,
+                                                                          listed: bool) -> None:
+    gpus = sim_gpus()
+    st = healthy(gpus)
+    st[gpus[4].uuid] = replace(status(gpus[4], state, since=T0), kubelet_health=kubelet)
+    names = [d["name"] for d in devices(rs.desired_slice(gpus, st, replace(SETTINGS, taints=False)))]
+    assert ("gpu-4" in names) is listed and len(names) == 8 - (not listed)
+    kubernetes_validate.validate(rs.desired_slice(gpus, st, replace(SETTINGS, taints=False)), "1.37.0", strict=True)
 
 
 # Writing only on a change ----------------------------------------------------------------------------------------

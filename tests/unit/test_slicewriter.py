@@ -257,21 +257,35 @@ def test_a_slice_deleted_behind_the_writers_back_is_created_again_at_the_resync(
     assert h.server.calls == [("get", 404), ("get_node", 200), ("create", 201)]
 
 
-def test_taints_dropped_by_the_server_are_one_warning_and_then_nothing_more_is_written(
+def listed(h: Harness) -> list[str]:
+    return [d["name"] for d in h.stored()["spec"].get("devices", [])]
+
+
+def test_taints_dropped_by_the_server_are_one_warning_and_the_devices_they_kept_off_leave_the_slice(
         caplog: pytest.LogCaptureFixture) -> None:
+    """Without device taints (the DRADeviceTaints gate off) an untainted device is allocatable: one the mapping keeps
+    from pods is left out of the slice until it recovers, at once, not after the next token."""
     h = started()
     h.server.drop_taints = True
     with caplog.at_level(logging.WARNING, logger="plugin.outlets.slicewriter"):
         h.set(3, State.UNHEALTHY, "xid-79")
         h.for_(30)
-        assert h.server.calls == [("update", 200)]
-        h.set(5, State.UNKNOWN, "nvml-error")
+        # The tainted write comes back without taints; the rewrite leaves the device out in the same step.
+        assert h.server.calls == [("update", 200), ("update", 200)]
+        assert listed(h) == [f"gpu-{i}" for i in range(8) if i != 3] and h.taints() == {}
+        h.set(5, State.UNKNOWN, "nvml-error")  # Unknown maps to Unhealthy by default: out as well
+        h.for_(30)
+        assert listed(h) == ["gpu-0", "gpu-1", "gpu-2", "gpu-4", "gpu-6", "gpu-7"]
+        h.set(4, State.DEGRADED, "thermal-slowdown")  # mapped Healthy: stays, with no taint to say why
         h.set(3, State.HEALTHY)
+        h.for_(30)
+        assert listed(h) == ["gpu-0", "gpu-1", "gpu-2", "gpu-3", "gpu-4", "gpu-6", "gpu-7"]
+        before = len(h.server.writes())
         h.for_(1200)
-    assert h.server.writes() == [("update", 200)]
+    assert len(h.server.writes()) == before  # settled: no write per poll against the stored copy
     warnings = [r for r in caplog.records if "DRADeviceTaints" in r.getMessage()]
     assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING, caplog.records
-    assert "health stream" in warnings[0].getMessage()
+    assert "left out of the slice" in warnings[0].getMessage()
     assert h.writer.status().taints_published is False and h.writer.settings.taints is False
 
 
