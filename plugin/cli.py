@@ -153,6 +153,7 @@ def _run(args: argparse.Namespace) -> int:
     from plugin.app import run
     from plugin.devices.backend import BackendError
     from plugin.devices.simulated import NodeFileError
+    from plugin.dra.checkpoint import CheckpointTooNew
     from plugin.startup import StartupError
 
     # Exit 2: the configuration or the node file is wrong. Exit 1: the environment is (a path that cannot be
@@ -162,6 +163,11 @@ def _run(args: argparse.Namespace) -> int:
     except NodeFileError as exc:
         print(f"gpu-health-plugin: {cfg.name_of('simulated_node')}: simulated node file rejected: {exc}",
               file=sys.stderr)
+        return EXIT_CONFIG
+    except CheckpointTooNew as exc:
+        # A downgrade: the node's prepared claims are in a file this version cannot read. Like a wrong config,
+        # the operator has to choose (exit 2), and the file stays for the version that wrote it.
+        print(f"gpu-health-plugin: cannot start: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     except StartupError as exc:
         print(f"gpu-health-plugin: cannot start: {exc}", file=sys.stderr)

@@ -12,6 +12,7 @@ every runtime that ships DRA support reads 0.6.0.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,10 @@ from typing import Any
 from plugin.atomicfile import fsync_dir, write_atomic
 from plugin.kubelet.allocation import CONTROL_NODES, OPTIONAL_NODES
 from plugin.outlets.resourceslices import DRIVER
+
+# A UID as the API server makes them (RFC 4122 text; hex of either case, as the RFC reads it). Nothing else may
+# become part of a file name: a UID with "/" or ".." in it would name a file outside the spec dir.
+_UID_RE = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 
 CDI_VERSION = "0.6.0"
 CLASS = "gpu"
@@ -33,6 +38,17 @@ class CdiGpu:
     device: str
     uuid: str
     minor: int
+
+
+def is_claim_uid(uid: str) -> bool:
+    return _UID_RE.fullmatch(uid) is not None
+
+
+def check_claim_uid(uid: str) -> str:
+    """``uid`` if it is a UUID; ValueError otherwise. Every file name built from a claim UID goes through here."""
+    if not is_claim_uid(uid):
+        raise ValueError(f"claim UID {uid!r} is not a UUID")
+    return uid
 
 
 def kind(driver: str = DRIVER) -> str:
@@ -49,7 +65,7 @@ def cdi_id(claim_uid: str, device: str, driver: str = DRIVER) -> str:
 
 
 def spec_file_name(claim_uid: str, driver: str = DRIVER) -> str:
-    return f"{driver}-{claim_uid}.json"
+    return f"{driver}-{check_claim_uid(claim_uid)}.json"
 
 
 def _node(dev_dir: str, name: str) -> dict[str, Any]:
@@ -60,6 +76,7 @@ def build_spec(claim_uid: str, gpus: Sequence[CdiGpu], dev_dir: str, exists: Cal
                driver: str = DRIVER) -> dict[str, Any]:
     """The spec of one claim. ``gpus`` in the claim's order, which is the order of NVIDIA_VISIBLE_DEVICES;
     ``exists`` says whether an optional host node (the UVM ones) is there, so a host without UVM still works."""
+    check_claim_uid(claim_uid)
     if not gpus:
         raise ValueError(f"claim {claim_uid}: a CDI spec needs at least one device")
     devices = [{"name": cdi_device_name(claim_uid, g.device),
@@ -83,8 +100,8 @@ def build_spec(claim_uid: str, gpus: Sequence[CdiGpu], dev_dir: str, exists: Cal
 def write_spec(spec_dir: Path, claim_uid: str, spec: dict[str, Any], driver: str = DRIVER) -> Path:
     """Write the spec whole: a runtime scanning the dir must never read half a file, nor the old one vanish
     before the new one is in place."""
-    spec_dir.mkdir(parents=True, exist_ok=True)
     path = spec_dir / spec_file_name(claim_uid, driver)
+    spec_dir.mkdir(parents=True, exist_ok=True)
     data = json.dumps(spec, indent=2, sort_keys=True).encode() + b"\n"
     write_atomic(path, data, 0o644)  # mkstemp's 0600 would keep a runtime running as another user out
     return path

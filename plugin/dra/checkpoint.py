@@ -3,6 +3,14 @@
 The kubelet calls NodeUnprepareResources for a claim prepared by an earlier run of the plugin, and repeats
 NodePrepareResources after its own restart; both must answer from what was prepared, not from what the API server
 or the GPUs say now. One JSON file in the state dir, written whole (temp, fsync, rename) like the health store.
+
+Three ways a load can go wrong, and they are not alike:
+- the file is damaged (not JSON, a field of the wrong type, a key that is no claim UID): moved aside, and the
+  plugin starts with no prepared claims; a plugin that will not start protects no one;
+- the file cannot be read (EACCES, EIO, a directory in its place): ``CheckpointUnreadable``; the file says nothing
+  about its content, so it is kept, never overwritten, and the driver answers UNAVAILABLE until it reads;
+- a newer plugin wrote it: ``CheckpointTooNew``; its claims may still be prepared, and this plugin cannot know
+  them, so the start is refused rather than the file moved aside and overwritten.
 """
 
 from __future__ import annotations
@@ -10,11 +18,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from plugin.atomicfile import write_atomic
+from plugin.dra.cdi import check_claim_uid, is_claim_uid
 
 log = logging.getLogger(__name__)
 
@@ -79,34 +89,64 @@ def _strs(d: dict[str, Any], key: str) -> list[str]:
     return v
 
 
+class CheckpointError(Exception):
+    """The checkpoint cannot be used now; the message is one line naming the file."""
+
+    def __init__(self, path: Path, message: str) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class CheckpointUnreadable(CheckpointError):
+    """Reading the file failed (not: its content is bad). It is kept; try again later."""
+
+
+class CheckpointTooNew(CheckpointError):
+    """A newer plugin wrote the file: its claims cannot be known here."""
+
+    def __init__(self, path: Path, version: int, known: int) -> None:
+        super().__init__(path, f"DRA checkpoint {path} is version {version}; this plugin reads version {known}: a "
+                               f"newer plugin wrote it (run that one, or remove the file once no claim is prepared "
+                               f"on this node)")
+        self.version = version
+
+
 class Checkpoint:
     FILE = "dra-checkpoint.json"
     VERSION = 1
 
-    def __init__(self, state_dir: Path) -> None:
+    def __init__(self, state_dir: Path, read: Callable[[Path], bytes] = Path.read_bytes) -> None:
         self.dir = state_dir
         self.path = state_dir / self.FILE
+        self._read = read  # a parameter so tests can make the disk fail (EIO) where root ignores mode bits
 
     def load(self) -> dict[str, PreparedClaim]:
-        """The prepared claims by UID. A file that cannot be read as one is moved aside and counts as empty: a
-        plugin that will not start protects no one, and the kubelet re-prepares what it still needs."""
+        """The prepared claims by UID; none when there is no file. A damaged file is moved aside and counts as
+        empty, and the kubelet re-prepares what it still needs. Raises ``CheckpointUnreadable`` when the file
+        cannot be read and ``CheckpointTooNew`` for a newer version, both leaving the file as it is."""
         try:
-            text = self.path.read_text()
+            data = self._read(self.path)
         except FileNotFoundError:
             return {}
         except OSError as exc:
-            return self._aside(str(exc))
+            raise CheckpointUnreadable(self.path, f"cannot read the DRA checkpoint {self.path}: "
+                                                  f"{exc.strerror or exc}") from None
         try:
-            doc = json.loads(text)
+            doc = json.loads(data)
             if not isinstance(doc, dict):
                 raise ValueError("expected a JSON object")
-            if doc.get("version") != self.VERSION:
-                raise ValueError(f"unknown version {doc.get('version')!r}")
+            version = doc.get("version")
+            if isinstance(version, int) and not isinstance(version, bool) and version > self.VERSION:
+                raise CheckpointTooNew(self.path, version, self.VERSION)
+            if version != self.VERSION or isinstance(version, bool):
+                raise ValueError(f"unknown version {version!r}")
             claims = doc.get("claims")
             if not isinstance(claims, dict):
                 raise ValueError("claims: expected an object")
             out: dict[str, PreparedClaim] = {}
             for uid, entry in claims.items():
+                if not is_claim_uid(uid):
+                    raise ValueError(f"claims[{uid!r}]: the key is not a claim UID")
                 if not isinstance(entry, dict):
                     raise ValueError(f"claims[{uid!r}]: expected an object")
                 try:
@@ -119,7 +159,7 @@ class Checkpoint:
 
     def _aside(self, why: str) -> dict[str, PreparedClaim]:
         aside = self.path.with_suffix(".corrupt")
-        log.error("DRA checkpoint %s unreadable (%s); moved to %s, starting with no prepared claims",
+        log.error("DRA checkpoint %s damaged (%s); moved to %s, starting with no prepared claims",
                   self.path, why, aside.name)
         try:
             os.replace(self.path, aside)
@@ -128,6 +168,8 @@ class Checkpoint:
         return {}
 
     def save(self, claims: dict[str, PreparedClaim]) -> None:
+        for uid in claims:
+            check_claim_uid(uid)
         self.dir.mkdir(parents=True, exist_ok=True)
         doc = {"version": self.VERSION, "claims": {uid: c.to_dict() for uid, c in sorted(claims.items())}}
         data = json.dumps(doc, separators=(",", ":")).encode()

@@ -7,7 +7,9 @@ checkpoint before it answers, so a repeated prepare (a kubelet restart) and an u
 answer from what was prepared. Unprepare undoes both; a claim it does not know is already unprepared.
 
 Failures of one claim are that claim's error in the answer, never the call's: the kubelet retries each claim on
-its own. Only a request that is malformed as a whole (an empty UID, say) fails the call, with INVALID_ARGUMENT.
+its own. Only a request that is malformed as a whole (an empty UID, a UID that is not a UUID) fails the call, with
+INVALID_ARGUMENT, and a checkpoint that cannot be read fails every call with UNAVAILABLE until it can: answering
+without knowing what was prepared could prepare a GPU twice or forget one, and saving would overwrite the file.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from api.dra.v1 import api_pb2_grpc as v1_grpc
 from api.dra.v1beta1 import api_pb2 as v1beta1_pb2
 from api.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
 from plugin.dra import cdi
-from plugin.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
+from plugin.dra.checkpoint import Checkpoint, CheckpointError, CheckpointUnreadable, PreparedClaim, PreparedDevice
 from plugin.health.node_state import DeviceStatus, NodeState
 from plugin.outlets.annotations import top_reasons
 from plugin.outlets.kubeapi import ApiFailure, ClaimApi
@@ -68,6 +70,10 @@ class RequestError(ValueError):
     """The request as a whole is malformed; the message names the field."""
 
 
+class Unavailable(Exception):
+    """The call cannot be answered now (the checkpoint cannot be read); the kubelet retries it."""
+
+
 class _ClaimError(Exception):
     pass
 
@@ -78,6 +84,9 @@ def check_request(claims: Sequence[ClaimRef]) -> None:
         for field in ("uid", "name", "namespace"):
             if not getattr(c, field):
                 raise RequestError(f"claims[{i}].{field} is empty")
+        if not cdi.is_claim_uid(c.uid):
+            # The UID names the CDI spec file and the checkpoint entry: nothing else may get that far.
+            raise RequestError(f"claims[{i}].uid {c.uid!r} of ResourceClaim {c.namespace}/{c.name} is not a UUID")
         if c.uid in seen:
             # The answer is a map by UID: a second entry would silently overwrite the first.
             raise RequestError(f"claims[{i}].uid {c.uid!r} repeats claims[{seen[c.uid]}].uid")
@@ -115,7 +124,8 @@ class Driver:
     def __init__(self, state: NodeState, claims: ClaimApi, node_name: str, cdi_dir: Path, checkpoint_dir: Path,
                  dev_dir: str, allow_unhealthy: bool = False, driver_name: str = DRIVER,
                  exists: Callable[[str], bool] = os.path.exists,
-                 slice_settings: Callable[[], SliceSettings] | None = None) -> None:
+                 slice_settings: Callable[[], SliceSettings] | None = None,
+                 read_checkpoint: Callable[[Path], bytes] | None = None) -> None:
         self._state = state
         self._api = claims
         self.node_name = node_name
@@ -127,23 +137,44 @@ class Driver:
         self.allow_unhealthy = allow_unhealthy
         self.driver_name = driver_name
         self._exists = exists
-        self._checkpoint = Checkpoint(checkpoint_dir)
+        self._checkpoint = Checkpoint(checkpoint_dir, **({"read": read_checkpoint} if read_checkpoint else {}))
         # The kubelet may send batches in parallel; one lock keeps the checkpoint and the spec files in step.
         # The API read happens under it too: prepares are rare and short, and two of the same claim must not race.
         self._lock = threading.Lock()
-        self._prepared = self._checkpoint.load()
+        self._prepared: dict[str, PreparedClaim] = {}
+        self._loaded = False
+        # A newer version (CheckpointTooNew) refuses the start from here; a read error waits for the calls.
+        try:
+            self._prepared = self._checkpoint.load()
+            self._loaded = True
+        except CheckpointUnreadable as exc:
+            log.error("%s; NodePrepareResources and NodeUnprepareResources answer UNAVAILABLE until it can be read "
+                      "(the file is kept)", exc)
 
     def prepared(self) -> dict[str, PreparedClaim]:
         with self._lock:
             return dict(self._prepared)
 
+    def _load(self) -> None:
+        """Read the checkpoint unless done; Unavailable while it cannot be. Called under the lock."""
+        if self._loaded:
+            return
+        try:
+            self._prepared = self._checkpoint.load()
+        except CheckpointError as exc:  # a newer version appearing under a running plugin waits the same way
+            raise Unavailable(str(exc)) from None
+        self._loaded = True
+        log.info("DRA checkpoint %s read: %d prepared claims", self._checkpoint.path, len(self._prepared))
+
     # Prepare ------------------------------------------------------------------------------------------------------
 
     def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, PrepareResult]:
-        """Results by claim UID. Raises ``RequestError`` only for a malformed request."""
+        """Results by claim UID. Raises ``RequestError`` for a malformed request and ``Unavailable`` while the
+        checkpoint cannot be read."""
         check_request(claims)
         out: dict[str, PrepareResult] = {}
         with self._lock:
+            self._load()
             for c in claims:
                 try:
                     out[c.uid] = PrepareResult(devices=self._prepare_one(c))
@@ -249,11 +280,12 @@ class Driver:
     # Unprepare ----------------------------------------------------------------------------------------------------
 
     def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, str]:
-        """The error of each claim by UID, empty on success. Raises ``RequestError`` only for a malformed
-        request."""
+        """The error of each claim by UID, empty on success. Raises ``RequestError`` for a malformed request and
+        ``Unavailable`` while the checkpoint cannot be read."""
         check_request(claims)
         out: dict[str, str] = {}
         with self._lock:
+            self._load()
             for c in claims:
                 out[c.uid] = self._unprepare_one(c)
         return out
@@ -289,6 +321,9 @@ def _prepare(driver: Driver, pb: ModuleType, request: Any, context: grpc.Service
     except RequestError as exc:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         raise  # abort raises; this keeps the type checker and a fake context honest
+    except Unavailable as exc:
+        context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        raise
     resp = pb.NodePrepareResourcesResponse()
     for uid, r in results.items():
         entry = resp.claims[uid]
@@ -304,6 +339,9 @@ def _unprepare(driver: Driver, pb: ModuleType, request: Any, context: grpc.Servi
         results = driver.unprepare(_refs(request.claims))
     except RequestError as exc:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        raise
+    except Unavailable as exc:
+        context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         raise
     resp = pb.NodeUnprepareResourcesResponse()
     for uid, error in results.items():

@@ -5,7 +5,10 @@ cannot be reached costing a per-claim error, never the process. The kubelet is p
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -25,6 +28,7 @@ from plugin.config import load
 from tests.conftest import NodeFile
 
 DRIVER = "gpu.gpu-health.io"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _free_port() -> int:
@@ -98,7 +102,41 @@ def test_dra_mode_serves_the_kubelet_through_dra_only_and_is_ready_once_register
                 break
         stream.cancel()
         # The API server is unreachable: the claim gets an error of its own naming it; the process serves on.
+        uid = "3c9e7f1a-2b4d-4e6f-8a1c-0d2e4f6a8b0c"
         resp = dra_grpc.DRAPluginStub(ch).NodePrepareResources(dra_pb2.NodePrepareResourcesRequest(
-            claims=[dra_pb2.Claim(namespace="ns", uid="u-1", name="c")]), timeout=10)
-        assert resp.claims["u-1"].error and "c" in resp.claims["u-1"].error
+            claims=[dra_pb2.Claim(namespace="ns", uid=uid, name="c")]), timeout=10)
+        assert resp.claims[uid].error and "c" in resp.claims[uid].error
     assert _probe(port, "/healthz")[0] == 200
+
+
+def test_a_checkpoint_from_a_newer_plugin_stops_the_start_with_one_line(short_socket_dir: Path,
+                                                                        dev_root: Path) -> None:
+    """A downgrade must not forget what a newer plugin prepared: the start is refused, exit 2, naming the file and
+    its version, and the file stays as it was."""
+    root = short_socket_dir
+    node = NodeFile(root / "node.json")
+    kubeconfig = root / "kubeconfig"
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": "http://127.0.0.1:9"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
+    checkpoint = root / "state" / "dra-checkpoint.json"
+    checkpoint.parent.mkdir()
+    text = '{"version": 7, "claims": {}}'
+    checkpoint.write_text(text)
+    args = ["--mode", "dra", "--backend", "simulated", "--simulated-node", str(node.path), "--node-name", "n1",
+            "--kubeconfig", str(kubeconfig), "--state-dir", str(root / "state"), "--dev-root", str(dev_root),
+            "--dra-plugin-dir", str(root / "pl"), "--dra-registry-dir", str(root / "reg"),
+            "--cdi-spec-dir", str(root / "cdi"), "--metrics-address", "off"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_HEALTH_")}
+    r = subprocess.run([sys.executable, "-m", "plugin", "run", *args], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=30)
+    assert "Traceback" not in r.stderr, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("gpu-health-plugin:")]
+    assert len(errors) == 1, r.stderr
+    assert str(checkpoint) in errors[0] and "is version 7" in errors[0] and "reads version 1" in errors[0]
+    assert r.returncode == 2, r.stderr
+    assert checkpoint.read_text() == text and sorted(p.name for p in checkpoint.parent.iterdir()) == [
+        "dra-checkpoint.json", "plugin.lock"]
+    assert not (root / "reg" / f"{DRIVER}-reg.sock").exists()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import uuid
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -52,6 +53,11 @@ class FakeClaims:
         if (namespace, name) not in self.objects:
             raise ApiFailure(404, f'resourceclaims.resource.k8s.io "{name}" not found')
         return copy.deepcopy(self.objects[(namespace, name)])
+
+
+def uid(name: str) -> str:
+    """A claim UID as the API server makes them (a UUID), the same for the same name."""
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, f"claim/{name}"))
 
 
 def ours(device: str, request: str = "gpus") -> dict[str, Any]:
@@ -174,78 +180,78 @@ def test_prepare_two_gpus_writes_spec_and_checkpoint_and_repeats_without_the_api
 
 
 def test_plugin_restart_unprepares_what_the_last_run_prepared(plugin: Plugin) -> None:
-    uid = "uid-restart"
-    plugin.api.add("ns", "c", uid, [ours("gpu-0"), ours("gpu-0", request="more")])
-    resp = plugin.prepare(("ns", uid, "c"))
+    claim = uid("restart")
+    plugin.api.add("ns", "c", claim, [ours("gpu-0"), ours("gpu-0", request="more")])
+    resp = plugin.prepare(("ns", claim, "c"))
     # One GPU serving two requests of the claim is one device naming both.
-    assert devices(resp, uid) == [(["gpus", "more"], NODE, "gpu-0", [f"gpu.gpu-health.io/gpu={uid}-gpu-0"])]
-    assert plugin.spec_path(uid).exists()
+    assert devices(resp, claim) == [(["gpus", "more"], NODE, "gpu-0", [f"gpu.gpu-health.io/gpu={claim}-gpu-0"])]
+    assert plugin.spec_path(claim).exists()
 
     plugin.start()  # a new process: a new Driver on the same dirs
-    assert plugin.driver is not None and set(plugin.driver.prepared()) == {uid}
-    out = plugin.unprepare(("ns", uid, "c"))
-    assert list(out.claims) == [uid] and out.claims[uid].error == ""
-    assert not plugin.spec_path(uid).exists()
+    assert plugin.driver is not None and set(plugin.driver.prepared()) == {claim}
+    out = plugin.unprepare(("ns", claim, "c"))
+    assert list(out.claims) == [claim] and out.claims[claim].error == ""
+    assert not plugin.spec_path(claim).exists()
     assert plugin.checkpoint() == {}
     # Once more, and a claim never seen: both already unprepared.
-    out = plugin.unprepare(("ns", uid, "c"), ("ns", "uid-never", "x"))
-    assert {u: c.error for u, c in out.claims.items()} == {uid: "", "uid-never": ""}
+    out = plugin.unprepare(("ns", claim, "c"), ("ns", uid("never"), "x"))
+    assert {u: c.error for u, c in out.claims.items()} == {claim: "", uid("never"): ""}
 
 
 def test_unhealthy_device_fails_its_claim_only(plugin: Plugin) -> None:
     plugin.node.set(2, State.UNHEALTHY, "xid-79", now=T0 + 1)
     plugin.node.set(5, State.UNKNOWN, "nvml-error", now=T0 + 1)
     plugin.node.set(4, State.DEGRADED, "thermal-slowdown", now=T0 + 1)
-    plugin.api.add("ns", "bad", "uid-bad", [ours("gpu-6"), ours("gpu-2")])
-    plugin.api.add("ns", "unknown", "uid-unknown", [ours("gpu-5")])
-    plugin.api.add("ns", "good", "uid-good", [ours("gpu-4")])
-    resp = plugin.prepare(("ns", "uid-bad", "bad"), ("ns", "uid-unknown", "unknown"), ("ns", "uid-good", "good"))
-    bad = resp.claims["uid-bad"]
+    plugin.api.add("ns", "bad", uid("bad"), [ours("gpu-6"), ours("gpu-2")])
+    plugin.api.add("ns", "unknown", uid("unknown"), [ours("gpu-5")])
+    plugin.api.add("ns", "good", uid("good"), [ours("gpu-4")])
+    resp = plugin.prepare(("ns", uid("bad"), "bad"), ("ns", uid("unknown"), "unknown"), ("ns", uid("good"), "good"))
+    bad = resp.claims[uid("bad")]
     assert not bad.devices and "'gpu-2'" in bad.error and "Unhealthy (xid-79)" in bad.error and "ns/bad" in bad.error
-    unknown = resp.claims["uid-unknown"]
+    unknown = resp.claims[uid("unknown")]
     assert not unknown.devices and "'gpu-5'" in unknown.error and "Unknown (nvml-error)" in unknown.error
     # Degraded is usable: the kubelet health of a Degraded GPU is Healthy.
-    assert resp.claims["uid-good"].error == "" and [d.device_name for d in resp.claims["uid-good"].devices] == [
+    assert resp.claims[uid("good")].error == "" and [d.device_name for d in resp.claims[uid("good")].devices] == [
         "gpu-4"]
-    assert not plugin.spec_path("uid-bad").exists() and not plugin.spec_path("uid-unknown").exists()
-    assert set(plugin.checkpoint()) == {"uid-good"}
+    assert not plugin.spec_path(uid("bad")).exists() and not plugin.spec_path(uid("unknown")).exists()
+    assert set(plugin.checkpoint()) == {uid("good")}
 
     plugin.start(allow_unhealthy=True)
-    again = plugin.prepare(("ns", "uid-bad", "bad"))
-    assert again.claims["uid-bad"].error == ""
-    assert [d.device_name for d in again.claims["uid-bad"].devices] == ["gpu-6", "gpu-2"]
+    again = plugin.prepare(("ns", uid("bad"), "bad"))
+    assert again.claims[uid("bad")].error == ""
+    assert [d.device_name for d in again.claims[uid("bad")].devices] == ["gpu-6", "gpu-2"]
 
 
 def test_claims_that_cannot_be_prepared(plugin: Plugin) -> None:
-    plugin.api.add("ns", "elsewhere", "uid-1", [ours("gpu-99")])
-    plugin.api.add("ns", "recreated", "uid-new", [ours("gpu-0")])
-    plugin.api.add("ns", "pending", "uid-3", None)
-    plugin.api.add("ns", "foreign", "uid-4", [{"request": "gpus", "driver": "other.example.com", "pool": NODE,
+    plugin.api.add("ns", "elsewhere", uid("1"), [ours("gpu-99")])
+    plugin.api.add("ns", "recreated", uid("new"), [ours("gpu-0")])
+    plugin.api.add("ns", "pending", uid("3"), None)
+    plugin.api.add("ns", "foreign", uid("4"), [{"request": "gpus", "driver": "other.example.com", "pool": NODE,
                                               "device": "gpu-0"}])
     plugin.api.failures[("ns", "forbidden")] = ApiFailure(403, "resourceclaims is forbidden")
-    resp = plugin.prepare(("ns", "uid-1", "elsewhere"), ("ns", "uid-old", "recreated"), ("ns", "uid-3", "pending"),
-                          ("ns", "uid-4", "foreign"), ("ns", "uid-5", "forbidden"), ("ns", "uid-6", "missing"))
+    resp = plugin.prepare(("ns", uid("1"), "elsewhere"), ("ns", uid("old"), "recreated"), ("ns", uid("3"), "pending"),
+                          ("ns", uid("4"), "foreign"), ("ns", uid("5"), "forbidden"), ("ns", uid("6"), "missing"))
     errors = {uid: c.error for uid, c in resp.claims.items()}
     assert all(not c.devices for c in resp.claims.values())
-    assert "'gpu-99'" in errors["uid-1"] and NODE in errors["uid-1"]
-    assert "'uid-new'" in errors["uid-old"] and "'uid-old'" in errors["uid-old"]
-    assert errors["uid-3"] == "ResourceClaim ns/pending is not allocated"
-    assert f"no device of driver {DRIVER} in pool {NODE}" in errors["uid-4"]
-    assert "ns/forbidden" in errors["uid-5"] and "HTTP 403: resourceclaims is forbidden" in errors["uid-5"]
-    assert "HTTP 404" in errors["uid-6"]
+    assert "'gpu-99'" in errors[uid("1")] and NODE in errors[uid("1")]
+    assert repr(uid("new")) in errors[uid("old")] and repr(uid("old")) in errors[uid("old")]
+    assert errors[uid("3")] == "ResourceClaim ns/pending is not allocated"
+    assert f"no device of driver {DRIVER} in pool {NODE}" in errors[uid("4")]
+    assert "ns/forbidden" in errors[uid("5")] and "HTTP 403: resourceclaims is forbidden" in errors[uid("5")]
+    assert "HTTP 404" in errors[uid("6")]
     assert not plugin.cdi_dir.exists() or list(plugin.cdi_dir.iterdir()) == []
     assert plugin.driver is not None and plugin.driver.prepared() == {}
 
 
 @pytest.mark.parametrize(("claims", "field"), [
-    ([("ns", "u1", "a"), ("ns", "", "b")], "claims[1].uid is empty"),
-    ([("ns", "u1", "")], "claims[0].name is empty"),
-    ([("ns", "u1", "a"), ("ns", "u2", "b"), ("", "u3", "c")], "claims[2].namespace is empty"),
-    ([("ns", "u1", "a"), ("ns", "u1", "a")], "claims[1].uid 'u1' repeats claims[0].uid"),
+    ([("ns", uid("u1"), "a"), ("ns", "", "b")], "claims[1].uid is empty"),
+    ([("ns", uid("u1"), "")], "claims[0].name is empty"),
+    ([("ns", uid("u1"), "a"), ("ns", uid("u2"), "b"), ("", uid("u3"), "c")], "claims[2].namespace is empty"),
+    ([("ns", uid("u1"), "a"), ("ns", uid("u1"), "a")], f"claims[1].uid {uid('u1')!r} repeats claims[0].uid"),
 ])
 def test_malformed_request_fails_the_call_naming_the_field(plugin: Plugin, claims: list[tuple[str, str, str]],
                                                            field: str) -> None:
-    plugin.api.add("ns", "a", "u1", [ours("gpu-0")])
+    plugin.api.add("ns", "a", uid("u1"), [ours("gpu-0")])
     for call in (plugin.prepare, plugin.unprepare):
         with pytest.raises(grpc.RpcError) as err:
             call(*claims)
@@ -255,35 +261,80 @@ def test_malformed_request_fails_the_call_naming_the_field(plugin: Plugin, claim
     assert plugin.driver is not None and plugin.driver.prepared() == {}
 
 
+@pytest.mark.parametrize("bad", ["../../etc/cdi/x", "uid-1", "7a1c0b9e-1111-4b2a-8c3d-00000000000g",
+                                 "7a1c0b9e11114b2a8c3d000000000001", "7a1c0b9e-1111-4b2a-8c3d-000000000001/..",
+                                 " 7a1c0b9e-1111-4b2a-8c3d-000000000001", "7a1c0b9e-1111-4b2a-8c3d-000000000001\n"])
+def test_a_claim_uid_that_is_not_a_uuid_fails_the_call_naming_the_claim(plugin: Plugin, bad: str) -> None:
+    """The UID becomes a file name (the CDI spec, the checkpoint entry): it is checked before any is built."""
+    plugin.api.add("ns", "a", uid("a"), [ours("gpu-0")])
+    plugin.api.add("ns", "b", bad, [ours("gpu-1")])
+    for call in (plugin.prepare, plugin.unprepare):
+        with pytest.raises(grpc.RpcError) as err:
+            call(("ns", uid("a"), "a"), ("ns", bad, "b"))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details() == f"claims[1].uid {bad!r} of ResourceClaim ns/b is not a UUID"
+    assert plugin.api.calls == []
+    assert not plugin.cdi_dir.exists() and not plugin.state_dir.exists()
+    # Upper-case hex is still a UUID.
+    upper = uid("c").upper()
+    plugin.api.add("ns", "c", upper, [ours("gpu-2")])
+    assert plugin.prepare(("ns", upper, "c")).claims[upper].error == ""
+
+
+def test_an_unreadable_checkpoint_fails_calls_with_unavailable_and_is_kept(plugin: Plugin) -> None:
+    """A read error is no sign of a damaged file: the driver starts, answers UNAVAILABLE naming the file (the
+    kubelet retries), and once the file reads again it answers from it."""
+    claim = uid("kept")
+    plugin.api.add("ns", "c", claim, [ours("gpu-0")])
+    assert plugin.prepare(("ns", claim, "c")).claims[claim].error == ""
+    path = plugin.state_dir / Checkpoint.FILE
+    saved = path.read_bytes()
+    path.unlink()
+    path.mkdir()  # read() fails with EISDIR, as EACCES or EIO would
+    plugin.start()
+    for call in (plugin.prepare, plugin.unprepare):
+        with pytest.raises(grpc.RpcError) as err:
+            call(("ns", claim, "c"))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert str(path) in err.value.details() and "Is a directory" in err.value.details()
+    assert path.is_dir() and sorted(p.name for p in plugin.state_dir.iterdir()) == [Checkpoint.FILE]
+    assert plugin.spec_path(claim).exists()
+    path.rmdir()
+    path.write_bytes(saved)
+    out = plugin.unprepare(("ns", claim, "c"))  # the claim the file names is known again
+    assert out.claims[claim].error == "" and not plugin.spec_path(claim).exists()
+    assert plugin.checkpoint() == {}
+
+
 def test_empty_batches_answer_empty(plugin: Plugin) -> None:
     assert dict(plugin.prepare().claims) == {}
     assert dict(plugin.unprepare().claims) == {}
 
 
 def test_v1beta1_kubelet(plugin: Plugin) -> None:
-    plugin.api.add("ns", "c", "uid-beta", [ours("gpu-7")])
+    plugin.api.add("ns", "c", uid("beta"), [ours("gpu-7")])
     resp = plugin.beta.NodePrepareResources(beta_pb2.NodePrepareResourcesRequest(
-        claims=[beta_pb2.Claim(namespace="ns", uid="uid-beta", name="c")]), timeout=10)
+        claims=[beta_pb2.Claim(namespace="ns", uid=uid("beta"), name="c")]), timeout=10)
     assert isinstance(resp, beta_pb2.NodePrepareResourcesResponse)
-    assert devices(resp, "uid-beta") == [(["gpus"], NODE, "gpu-7", ["gpu.gpu-health.io/gpu=uid-beta-gpu-7"])]
-    assert plugin.spec_path("uid-beta").exists()
+    assert devices(resp, uid("beta")) == [(["gpus"], NODE, "gpu-7", [f"gpu.gpu-health.io/gpu={uid('beta')}-gpu-7"])]
+    assert plugin.spec_path(uid("beta")).exists()
     with pytest.raises(grpc.RpcError) as err:
         plugin.beta.NodePrepareResources(beta_pb2.NodePrepareResourcesRequest(
             claims=[beta_pb2.Claim(namespace="ns", uid="", name="c")]), timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details() == "claims[0].uid is empty"
     out = plugin.beta.NodeUnprepareResources(beta_pb2.NodeUnprepareResourcesRequest(
-        claims=[beta_pb2.Claim(namespace="ns", uid="uid-beta", name="c")]), timeout=10)
-    assert out.claims["uid-beta"].error == ""
-    assert not plugin.spec_path("uid-beta").exists()
+        claims=[beta_pb2.Claim(namespace="ns", uid=uid("beta"), name="c")]), timeout=10)
+    assert out.claims[uid("beta")].error == ""
+    assert not plugin.spec_path(uid("beta")).exists()
 
 
 def test_parallel_batches_keep_every_claim(plugin: Plugin) -> None:
     for i in range(8):
-        plugin.api.add("ns", f"c{i}", f"uid-{i}", [ours(f"gpu-{i}")])
+        plugin.api.add("ns", f"c{i}", uid(str(i)), [ours(f"gpu-{i}")])
     with futures.ThreadPoolExecutor(max_workers=8) as pool:
         # Every claim twice, in parallel: each is read from the API once and prepared once.
-        answers = list(pool.map(lambda i: plugin.prepare(("ns", f"uid-{i % 8}", f"c{i % 8}")), range(16)))
-    assert all(a.claims[f"uid-{i % 8}"].error == "" for i, a in enumerate(answers))
+        answers = list(pool.map(lambda i: plugin.prepare(("ns", uid(str(i % 8)), f"c{i % 8}")), range(16)))
+    assert all(a.claims[uid(str(i % 8))].error == "" for i, a in enumerate(answers))
     assert sorted(plugin.api.calls) == sorted(("ns", f"c{i}") for i in range(8))
-    assert set(plugin.checkpoint()) == {f"uid-{i}" for i in range(8)}
+    assert set(plugin.checkpoint()) == {uid(str(i)) for i in range(8)}
     assert len(list(plugin.cdi_dir.iterdir())) == 8

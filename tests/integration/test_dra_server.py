@@ -131,8 +131,8 @@ def test_get_info_tells_the_kubelet_who_and_where(env: Env) -> None:
     # The endpoint serves the driver: a claim the API server does not know is that claim's error.
     with grpc.insecure_channel(f"unix://{info.endpoint}") as ch:
         resp = dra_grpc.DRAPluginStub(ch).NodePrepareResources(dra_pb2.NodePrepareResourcesRequest(
-            claims=[dra_pb2.Claim(namespace="ns", uid="uid-1", name="gone")]), timeout=5)
-    assert "not found" in resp.claims["uid-1"].error
+            claims=[dra_pb2.Claim(namespace="ns", uid="0f6a2c1e-8d4b-4c3a-9e7f-5b1d2a3c4e5f", name="gone")]), timeout=5)
+    assert "not found" in resp.claims["0f6a2c1e-8d4b-4c3a-9e7f-5b1d2a3c4e5f"].error
 
 
 def test_registration_status_is_counted_and_shown(env: Env, caplog: pytest.LogCaptureFixture) -> None:

@@ -6,9 +6,12 @@ import json
 import os
 import re
 import stat
+import uuid
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from plugin.dra import cdi
 
@@ -97,3 +100,27 @@ def test_failed_write_keeps_the_old_spec_and_leaves_no_temp(tmp_path: Path, monk
         cdi.write_spec(tmp_path, UID, cdi.build_spec(UID, GPUS[:1], "/dev", exists=lambda p: False))
     assert json.loads(path.read_text()) == old
     assert os.listdir(tmp_path) == [path.name]
+
+
+@pytest.mark.parametrize("bad", ["../x", "", "uid-1", "0f6c3e1a-7d2b-4c55-9a8e-2b1d3c4e5f60/../y"])
+def test_no_file_name_is_built_from_anything_but_a_claim_uid(tmp_path: Path, bad: str) -> None:
+    """The driver checks UIDs before it gets here; this is the last line, where the name is made."""
+    for make in (lambda: cdi.spec_file_name(bad), lambda: cdi.write_spec(tmp_path, bad, {}),
+                 lambda: cdi.remove_spec(tmp_path, bad), lambda: cdi.spec_exists(tmp_path, bad),
+                 lambda: cdi.build_spec(bad, GPUS, "/dev", exists=lambda p: False)):
+        with pytest.raises(ValueError, match="not a UUID"):
+            make()
+    assert list(tmp_path.iterdir()) == []
+    assert cdi.is_claim_uid(UID) and cdi.is_claim_uid(UID.upper()) and not cdi.is_claim_uid(bad)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.text(), st.uuids().map(str), st.uuids().map(lambda u: str(u).upper())))
+def test_any_text_as_a_uid_is_refused_or_names_a_file_inside_the_dir(text: str) -> None:
+    try:
+        name = cdi.spec_file_name(text)
+    except ValueError as exc:
+        assert repr(text) in str(exc)
+        return
+    assert name == f"gpu.gpu-health.io-{text}.json" and "/" not in name and ".." not in name
+    assert str(uuid.UUID(text)) == text.lower()
