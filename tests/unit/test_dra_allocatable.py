@@ -217,3 +217,17 @@ def test_a_degraded_device_kept_from_pods_by_the_mapping_is_not_allocatable(tmp_
     prepared, error = node.prepare([])
     assert not prepared and "Degraded (thermal-slowdown)" in error
     assert not scheduler_allocates(node.slice(), DEV, [])
+
+
+def test_every_promise_in_docs_dra_names_tests_that_exist() -> None:
+    text = (ROOT / "docs" / "dra.md").read_text()
+    section = text[text.index("## Promises"):text.index("## Proof")]
+    promises = section.split("\n- ")[1:]
+    assert len(promises) >= 10
+    for promise in promises:
+        cited = re.findall(r"`((?:tests/[a-z_/]+/)?test_[a-z_0-9]+\.py)(?:::([a-z_0-9]+))?`", promise)
+        assert cited, promise
+        for path, name in cited:
+            file = ROOT / (path if path.startswith("tests/") else f"tests/unit/{path}")
+            assert file.is_file(), path
+            assert not name or f"def {name}(" in file.read_text(), f"{path}::{name}"
