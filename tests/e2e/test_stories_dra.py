@@ -205,6 +205,34 @@ def test_22_a_degraded_device_is_tainted_for_information_and_still_allocatable(l
     _delete(local, "pod/hot", "resourceclaim/hot")
 
 
+def test_22b_the_docs_claim_tolerating_unknown_is_allocated_and_prepared_an_unknown_device(local: Local) -> None:
+    """Issue 24 item 10: the toleration docs/dra.md shows, taken from the page, gets a claim an Unknown device
+    (kept from every other claim), the kubelet prepares it, and the pod runs with Unknown in its status."""
+    from tests.unit.test_dra_allocatable import documented_tolerations
+
+    dark = next(i for i in range(7, -1, -1) if i not in USED and _taint(local, i) is None)
+    USED.add(dark)
+    local.signals(dark, nvml_error=True)
+    taint = _until("the Unknown taint", lambda: _taint(local, dark), timeout=120)
+    assert taint["key"] == "gpu-health.io/unknown" and taint["effect"] == "NoSchedule", taint
+    local.apply(_claim("want-dark", 1, _by_index(dark)), _pod(local, "want-dark", "want-dark"))
+    local.unschedulable("want-dark")
+    claim = _claim("dark", 1, _by_index(dark))
+    claim["spec"]["devices"]["requests"][0]["exactly"]["tolerations"] = documented_tolerations()
+    local.apply(claim, _pod(local, "dark", "dark"))
+    assert [local.index_of(u) for u in local.visible_devices("dark")] == [dark]
+    [result] = local.get("resourceclaim", "dark", NS)["status"]["allocation"]["devices"]["results"]
+    assert [t["key"] for t in result.get("tolerations", [])] == ["gpu-health.io/unknown"], result
+    health = _until("Unknown in pod status", lambda: _pod_health(local, "dark").get(dark, ("", ""))[0] == "Unknown"
+                    and _pod_health(local, "dark"))
+    assert "nvml-error" in health[dark][1], health
+    local.signals(dark, nvml_error=None)
+    _until("the Unknown taint removed", lambda: _taint(local, dark) is None, timeout=120)
+    _delete(local, "pod/dark", "resourceclaim/dark")
+    local.wait("pod/want-dark", "condition=Ready", 120, NS)  # recovered and free: the other claim gets it now
+    _delete(local, "pod/want-dark", "resourceclaim/want-dark")
+
+
 def test_23_recovery_plugin_restart_and_kubelet_restart(local: Local) -> None:
     bad = next(i for i in range(8) if _taint(local, i) is not None)
     local.reset_gpu(bad)
