@@ -124,8 +124,7 @@ class Driver:
     def __init__(self, state: NodeState, claims: ClaimApi, node_name: str, cdi_dir: Path, checkpoint_dir: Path,
                  dev_dir: str, allow_unhealthy: bool = False, driver_name: str = DRIVER,
                  exists: Callable[[str], bool] = os.path.exists,
-                 slice_settings: Callable[[], SliceSettings] | None = None,
-                 read_checkpoint: Callable[[Path], bytes] | None = None) -> None:
+                 slice_settings: Callable[[], SliceSettings] | None = None) -> None:
         self._state = state
         self._api = claims
         self.node_name = node_name
@@ -137,7 +136,7 @@ class Driver:
         self.allow_unhealthy = allow_unhealthy
         self.driver_name = driver_name
         self._exists = exists
-        self._checkpoint = Checkpoint(checkpoint_dir, **({"read": read_checkpoint} if read_checkpoint else {}))
+        self._checkpoint = Checkpoint(checkpoint_dir)
         # The kubelet may send batches in parallel; one lock keeps the checkpoint and the spec files in step.
         # The API read happens under it too: prepares are rare and short, and two of the same claim must not race.
         self._lock = threading.Lock()
