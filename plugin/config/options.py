@@ -253,7 +253,8 @@ class Config:
         Choice("NoSchedule", "NoExecute"), "DRA mode: effect of the taint on an Unhealthy device in the "
         "ResourceSlice; NoExecute also evicts the pods using it"))
     dra_degraded_taint: bool = field(default=True, metadata=_spec(
-        parse_bool, "DRA mode: put a taint with no effect (it only informs) carrying the reason on a Degraded device"))
+        parse_bool, "DRA mode: put a taint with no effect (it only informs) carrying the reason on a Degraded device; "
+        "when health.kubeletHealth maps Degraded to Unhealthy it gets a NoSchedule taint whatever this says"))
     # The file-only sections, and where each option's value came from.
     health: HealthConfig = field(default_factory=HealthConfig)
     sharing: SharingConfig = field(default_factory=SharingConfig)
