@@ -417,7 +417,9 @@ def test_13_helm_uninstall_removes_the_release_and_leaves_what_the_docs_say(loca
     local.wait_gpus(0)
     for kind, name in (("clusterrole", RELEASE), ("clusterrolebinding", RELEASE),
                        ("validatingadmissionpolicy", f"{RELEASE}-own-node-only"),
-                       ("validatingadmissionpolicybinding", f"{RELEASE}-own-node-only")):
+                       ("validatingadmissionpolicybinding", f"{RELEASE}-own-node-only"),
+                       ("validatingadmissionpolicy", f"{RELEASE}-own-node-slices"),
+                       ("validatingadmissionpolicybinding", f"{RELEASE}-own-node-slices")):
         assert local.kubectl("get", kind, name, "--ignore-not-found", "-o", "name") == "", (kind, name)
     assert local.kubectl("get", "daemonsets,configmaps,serviceaccounts", "-n", PLUGIN_NS, "-o", "name",
                          "-l", "app.kubernetes.io/managed-by=Helm") == ""

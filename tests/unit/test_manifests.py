@@ -43,6 +43,7 @@ KUBE_VERSIONS = ("1.30.0", "1.37.0")
 NAMESPACE = "gpu-health-system"
 NAME = "gpu-health-device-plugin"
 VAP = "gpu-health-device-plugin-own-node-only"
+SLICE_VAP = "gpu-health-device-plugin-own-node-slices"  # confines a ResourceSlice grant (DRA mode's) to the own node
 
 ANNOTATIONS_OFF_ARGS = ["--annotations=false", "--events=false", "--correlate-on=none"]
 
@@ -100,6 +101,8 @@ BASE_OBJECTS = {
     ("ClusterRoleBinding", NAME),
     ("ValidatingAdmissionPolicy", VAP),
     ("ValidatingAdmissionPolicyBinding", VAP),
+    ("ValidatingAdmissionPolicy", SLICE_VAP),
+    ("ValidatingAdmissionPolicyBinding", SLICE_VAP),
     ("ConfigMap", "gpu-health-device-plugin-config"),
     ("DaemonSet", NAME),
 }
@@ -171,9 +174,9 @@ def test_references_between_objects_resolve(rendered: dict[str, list[dict[str, A
             assert ("ClusterRole", crb["roleRef"]["name"]) in names
             assert crb["subjects"] == [{"kind": "ServiceAccount", "name": pod["serviceAccountName"],
                                         "namespace": NAMESPACE}]
-        if ("ValidatingAdmissionPolicyBinding", VAP) in names:
-            assert ("ValidatingAdmissionPolicy", find(objs, "ValidatingAdmissionPolicyBinding")["spec"]["policyName"]
-                    ) in names
+        for binding in (o for o in objs if o["kind"] == "ValidatingAdmissionPolicyBinding"):
+            assert binding["spec"]["policyName"] == binding["metadata"]["name"], variant
+            assert ("ValidatingAdmissionPolicy", binding["spec"]["policyName"]) in names, variant
         selector = ds["spec"]["selector"]["matchLabels"]
         labels = ds["spec"]["template"]["metadata"]["labels"]
         assert selector.items() <= labels.items(), variant
@@ -336,7 +339,8 @@ def _without(objs: list[dict[str, Any]], drop: set[tuple[str, str]]) -> dict[tup
 def test_annotations_off_has_no_api_access(rendered: dict[str, list[dict[str, Any]]]) -> None:
     base, over = rendered["base"], rendered["annotations-off"]
     gone = {("ClusterRole", NAME), ("ClusterRoleBinding", NAME), ("ValidatingAdmissionPolicy", VAP),
-            ("ValidatingAdmissionPolicyBinding", VAP)}
+            ("ValidatingAdmissionPolicyBinding", VAP), ("ValidatingAdmissionPolicy", SLICE_VAP),
+            ("ValidatingAdmissionPolicyBinding", SLICE_VAP)}
     assert kinds(over) == BASE_OBJECTS - gone
     ds = find(over, "DaemonSet")
     assert ds["spec"]["template"]["spec"]["automountServiceAccountToken"] is False

@@ -17,6 +17,8 @@ from tests.unit.test_manifests import (
     MANIFESTS,
     NAME,
     NAMESPACE,
+    SLICE_VAP,
+    VAP,
     _plugin_config,
     container,
     find,
@@ -62,6 +64,11 @@ def test_valid_and_accepted_by_the_plugin_in_dra_mode(rendered: dict[str, list[d
         assert str(cfg.cdi_spec_dir) == "/var/run/cdi"
 
 
+# RBAC verb -> the admission operation a request with it is judged as.
+_OPERATION = {"create": "CREATE", "update": "UPDATE", "patch": "UPDATE", "delete": "DELETE",
+              "deletecollection": "DELETE"}
+
+
 def test_the_device_class_selects_the_driver_and_the_grants_are_narrow(
         rendered: dict[str, list[dict[str, Any]]]) -> None:
     objs = rendered["dra"]
@@ -73,6 +80,25 @@ def test_the_device_class_selects_the_driver_and_the_grants_are_narrow(
         ("resource.k8s.io", "resourceclaims", "get")}
     crb = find(objs, "ClusterRoleBinding", f"{NAME}-dra")
     assert crb["subjects"] == [{"kind": "ServiceAccount", "name": NAME, "namespace": NAMESPACE}]
+
+    # RBAC cannot say "my node's slice": the grant is cluster-wide, so it ships only with the admission policy that
+    # confines every write it allows to the slice of the plugin's own node and driver (what the policy lets through
+    # and refuses: tests/conformance/apiserver/test_resourceslice_policy.py, on the real API server).
+    policy = find(objs, "ValidatingAdmissionPolicy", SLICE_VAP)["spec"]
+    binding = find(objs, "ValidatingAdmissionPolicyBinding", SLICE_VAP)["spec"]
+    assert binding == {"policyName": SLICE_VAP, "validationActions": ["Deny"]}
+    assert policy["failurePolicy"] == "Fail"
+    constraints = policy["matchConstraints"]
+    assert constraints["matchPolicy"] == "Equivalent"  # a write through v1beta1/v1beta2 is judged as v1
+    covered = {(g, r, op) for rule in constraints["resourceRules"] if "v1" in rule["apiVersions"]
+               for g in rule["apiGroups"] for r in rule["resources"] for op in rule["operations"]}
+    writes = {(g, r, _OPERATION[v]) for g, r, v in granted if v in _OPERATION}
+    assert writes == {("resource.k8s.io", "resourceslices", op) for op in ("CREATE", "UPDATE", "DELETE")}
+    assert writes <= covered
+    # The same account as the Node policy's (any service account named like the plugin's), and our driver.
+    node_policy = find(objs, "ValidatingAdmissionPolicy", VAP)["spec"]
+    assert policy["matchConditions"] == node_policy["matchConditions"]
+    assert {v["name"]: v["expression"] for v in policy["variables"]}["driver"] == f"'{DRIVER}'"
 
 
 def _names(v: list[dict[str, Any]], key: str = "name") -> list[str]:

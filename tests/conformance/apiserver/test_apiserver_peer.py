@@ -3,7 +3,9 @@
 The plugin's service account, holding a token bound to a Pod on node A (what the kubelet projects
 into the plugin's Pod), may patch annotations under `gpu-health.io/` on node A and nothing else:
 not node B, not other annotations, labels, spec or status, and (with the node-condition overlay's
-nodes/status grant) only the `GPUHealthy` condition.
+nodes/status grant) only the `GPUHealthy` condition. What the fleet controller owns on a Node (its record under
+`controller.gpu-health.io/`, the quarantine taint, the cordon, its label) the plugin can neither add, change nor
+remove, while the controller's own account, not matched by the policy, writes all of it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 pytestmark = [pytest.mark.conformance, pytest.mark.slow]
 
@@ -410,3 +413,115 @@ def test_status_subresource_cannot_smuggle_metadata(apiserver, status_grant):
         apiserver, status_grant, NODE_A, {"metadata": {"labels": {"smuggled": "yes"}}}, kind="merge", status=True
     )
     assert_denied(result, "labels")
+
+
+# What the fleet controller owns on a Node is out of the plugin's reach ---------------------------------------------
+# The controller keeps its record under its own prefix, `controller.gpu-health.io/` (quarantined-by, quarantine-owns,
+# ...), and acts on it: a node agent that could write it could have the controller uncordon a node an operator
+# cordoned. The policy admits only annotations under `gpu-health.io/`, so the plugin's own token can write its state
+# and is refused on the controller's record, on the quarantine taint, the cordon and labels.
+
+CONTROLLER_PREFIX = "controller.gpu-health.io/"
+CONTROLLER_RECORD = {CONTROLLER_PREFIX + "quarantined-by": "gpu-health-controller",
+                     CONTROLLER_PREFIX + "quarantine-owns": "taint"}
+QUARANTINE_TAINT = {"key": PREFIX + "quarantine", "value": "xid-79", "effect": "NoSchedule"}
+
+
+def admin_patch(apiserver, node, body):
+    result = apiserver.request("PATCH", f"/api/v1/nodes/{node}", body, content_type=CONTENT_TYPES["merge"])
+    assert result.ok, result.message
+    return result.body
+
+
+def test_own_state_annotation_allowed(apiserver, token):
+    key = PREFIX + "state"
+    for value in ("Unhealthy", "Healthy", None):
+        result = patch_node(apiserver, token, NODE_A, {"metadata": {"annotations": {key: value}}})
+        assert result.ok, f"{value}: {result.status} {result.message}"
+        assert get_node(apiserver, NODE_A)["metadata"].get("annotations", {}).get(key) == value
+
+
+@pytest.mark.parametrize("key", sorted(CONTROLLER_RECORD))
+@pytest.mark.parametrize("change", ["add", "modify", "remove"])
+def test_controller_record_refused(apiserver, token, key, change):
+    # The operator's (or the controller's) value, where there is one to modify or remove.
+    admin_patch(apiserver, NODE_A, {"metadata": {"annotations": {key: None if change == "add" else "taint"}}})
+    before = get_node(apiserver, NODE_A)["metadata"]
+    forged = {"add": CONTROLLER_RECORD[key], "modify": "taint,cordon", "remove": None}[change]
+    # Beside a key the plugin may write, so it is the controller's key alone that is refused.
+    body = {"metadata": {"annotations": {key: forged, PREFIX + "state": "Healthy"}}}
+    assert_denied(patch_node(apiserver, token, NODE_A, body), f"may only change annotations under {PREFIX}", key)
+    after = get_node(apiserver, NODE_A)["metadata"]
+    assert after["annotations"] == before["annotations"]
+    assert after["resourceVersion"] == before["resourceVersion"]
+    admin_patch(apiserver, NODE_A, {"metadata": {"annotations": {key: None}}})
+
+
+@pytest.fixture()
+def quarantined_by_hand(apiserver):
+    """Node A cordoned and tainted as a quarantine (by the admin: an operator or the controller); restored after."""
+    admin_patch(apiserver, NODE_A, {"spec": {"unschedulable": True, "taints": [QUARANTINE_TAINT]}})
+    yield get_node(apiserver, NODE_A)["spec"]
+    admin_patch(apiserver, NODE_A, {"spec": {"unschedulable": None, "taints": None}})
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [{"unschedulable": None}, {"unschedulable": False}, {"taints": None}, {"taints": []},
+     {"taints": [{**QUARANTINE_TAINT, "value": "released"}]}],
+    ids=["uncordon-remove", "uncordon-false", "untaint-remove", "untaint-empty", "taint-change"],
+)
+def test_quarantine_taint_and_cordon_cannot_be_undone(apiserver, token, quarantined_by_hand, spec):
+    result = patch_node(apiserver, token, NODE_A, {"spec": spec})
+    assert_denied(result, "may not change a Node's spec")
+    assert get_node(apiserver, NODE_A)["spec"] == quarantined_by_hand
+
+
+def test_quarantine_taint_cannot_be_added(apiserver, token):
+    before = get_node(apiserver, NODE_A)["spec"]
+    result = patch_node(apiserver, token, NODE_A, {"spec": {"taints": [QUARANTINE_TAINT]}})
+    assert_denied(result, "may not change a Node's spec")
+    assert get_node(apiserver, NODE_A)["spec"] == before
+
+
+@pytest.mark.parametrize("change", ["add", "remove"])
+def test_quarantine_label_refused(apiserver, token, change):
+    label = PREFIX + "quarantined"
+    admin_patch(apiserver, NODE_A, {"metadata": {"labels": {label: None if change == "add" else "true"}}})
+    before = get_node(apiserver, NODE_A)["metadata"]["labels"]
+    result = patch_node(apiserver, token, NODE_A,
+                        {"metadata": {"labels": {label: "true" if change == "add" else None}}})
+    assert_denied(result, "may not change a Node's labels")
+    assert get_node(apiserver, NODE_A)["metadata"]["labels"] == before
+    admin_patch(apiserver, NODE_A, {"metadata": {"labels": {label: None}}})
+
+
+@pytest.fixture(scope="module")
+def controller_token(apiserver, deployed):
+    """The controller's grant (components/controller/clusterrole.yaml) bound to an account of its name: the
+    plugin's policy, in force (the `deployed` fixture), must not match it."""
+    ns, name, role = "vap-controller", "gpu-health-controller", "vap-test-controller"
+    rules = yaml.safe_load((REPO / "manifests" / "components" / "controller" / "clusterrole.yaml").read_text())["rules"]
+    apiserver.apply([
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}},
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name, "namespace": ns}},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": role},
+         "rules": rules},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": {"name": role},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role},
+         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ns}]},
+    ])
+    token = apiserver.token_for_service_account(ns, name)
+    wait_until(lambda: can_i(apiserver, token, "patch", "nodes"), "the controller's RBAC grant")
+    return token
+
+
+@pytest.mark.parametrize("node", [NODE_A, NODE_B])
+def test_the_controller_writes_its_record_taint_cordon_and_label(apiserver, controller_token, node):
+    patch = {"metadata": {"labels": {PREFIX + "quarantined": "true"}, "annotations": CONTROLLER_RECORD},
+             "spec": {"unschedulable": True, "taints": [QUARANTINE_TAINT]}}
+    result = patch_node(apiserver, controller_token, node, patch, dry_run=True)
+    assert result.ok, f"{result.status} {result.message}"
+    assert result.body["metadata"]["annotations"].items() >= CONTROLLER_RECORD.items()
+    assert result.body["spec"]["taints"] == [QUARANTINE_TAINT]
+    assert result.body["spec"]["unschedulable"] is True
