@@ -117,6 +117,15 @@ METRICS = [
     Metric("Idle CPU with metrics on", "metrics", "<= 1 % of a core",
            lambda d: d["idle"]["metrics_on"]["cpu_pct_of_one_core"], lambda v: v <= 1, "%",
            lambda d: f"{d['idle']['metrics_off']['cpu_pct_of_one_core']} % with metrics off"),
+    Metric("HTTP flood (200 slow, huge-header, silent connections): plugin RSS growth", "http_abuse", "<= 16 MiB",
+           lambda d: d["slow_huge_silent"]["rss_mib"]["growth_peak"], lambda v: v <= 16, "MiB",
+           lambda d: f"threads {d['slow_huge_silent']['threads']['before']}->"
+                     f"{d['slow_huge_silent']['threads']['peak']}, survived: {d['slow_huge_silent']['survived']}"),
+    Metric("HTTP flood: /metrics on a fresh connection during it, max", "http_abuse", "<= 1000 ms",
+           lambda d: d["slow_huge_silent"]["scrape_during_flood"]["max_ms"], lambda v: v <= 1000, "ms",
+           lambda d: f"median {d['slow_huge_silent']['scrape_during_flood']['median_ms']} ms, "
+                     f"{d['slow_huge_silent']['scrape_during_flood']['failed']} failed; with pipelining hogs too: "
+                     f"max {d['with_pipelining_hogs']['scrape_during_flood']['max_ms']} ms"),
     Metric("Allocate p50 via the kubelet's Go client, 1 caller", "peer", "",
            lambda d: peer_p50(d, "plugin", 1), None, "ms",
            lambda d: f"{peer_p50(d, 'plugin', 1) / peer_p50(d, 'stub', 1):.1f} x the kubelet's Go stub plugin"),
@@ -143,6 +152,7 @@ def benches(quick: bool, soak_minutes: float) -> dict[str, list[str]]:
         "annotations": ["bench/bench_annotations.py"] + (["--no-import-cost"] if q else []),
         "fleet": ["bench/fleet_sim.py"],
         "metrics": ["bench/bench_metrics.py"] + (["--scrapes", "200", "--idle", "5"] if q else ["--idle", "30"]),
+        "http_abuse": ["bench/bench_http_abuse.py"] + (["--seconds", "5"] if q else []),
         "peer": ["bench/bench_kubelet_peer.py"] + (["--calls", "300"] if q else []),
         "footprint": ["bench/soak.py", "--idle", "--minutes", "0.5" if q else "5"],
         "soak": ["bench/soak.py", "--minutes", "0.5" if q else str(soak_minutes)],

@@ -347,6 +347,12 @@ def chart_schema() -> Schema:
             "enabled": _boolean("Render the PrometheusRule."),
             "labels": _string_map("Labels your Prometheus selects rules by."),
         }),
+        "metricsNetworkPolicy": _fixed("A NetworkPolicy admitting ingress to the plugin's and the controller's "
+                                       "pods only on their metrics ports, from the namespaces selected.", {
+            "enabled": _boolean("Render the NetworkPolicy."),
+            "namespaceSelector": _free("The namespaces whose pods may scrape, as a label selector "
+                                       "(matchLabels, matchExpressions)."),
+        }),
         "controller": _fixed("The fleet controller: a Deployment that quarantines failing GPU nodes behind a "
                              "circuit breaker (docs/fleet.md).", {
             "enabled": _boolean("Deploy the fleet controller."),

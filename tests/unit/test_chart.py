@@ -118,6 +118,7 @@ PAIRS = (
     Pair("remediation", ("overlays/remediation",), sets=("remediation.enabled=true",)),
     Pair("surge-upgrade", ("overlays/surge-upgrade",),
          sets=("updateStrategy.rollingUpdate.maxSurge=10%,updateStrategy.rollingUpdate.maxUnavailable=0",)),
+    Pair("metrics-network-policy", ("overlays/metrics-network-policy",), sets=("metricsNetworkPolicy.enabled=true",)),
     Pair("controller", ("overlays/controller",), sets=("controller.enabled=true",)),
     Pair("controller-drain", ("overlays/controller-drain",), sets=("controller.enabled=true,controller.drain=true",)),
     Pair("local-cluster-remediation", ("overlays/local-cluster-remediation",), (LOCAL_VALUES,),
@@ -128,7 +129,7 @@ PAIRS = (
     Pair("prometheus-rule", ("base", "alerts/prometheusrule.yaml"), sets=("prometheusRule.enabled=true",)),
 )
 ALL_ON = ("controller.enabled=true,controller.drain=true,serviceMonitor.enabled=true,prometheusRule.enabled=true,"
-          "remediation.enabled=true,nodeCondition.enabled=true,cdi.enabled=true",)
+          "remediation.enabled=true,nodeCondition.enabled=true,cdi.enabled=true,metricsNetworkPolicy.enabled=true",)
 
 
 def kustomize(kubectl: Path, sources: Sequence[str]) -> list[Obj]:

@@ -36,6 +36,7 @@ VARIANTS = {
     "cdi": MANIFESTS / "overlays" / "cdi",
     "remediation": MANIFESTS / "overlays" / "remediation",
     "surge-upgrade": MANIFESTS / "overlays" / "surge-upgrade",
+    "metrics-network-policy": MANIFESTS / "overlays" / "metrics-network-policy",
 }
 # The oldest release the manifests support (ValidatingAdmissionPolicy v1, node name in Pod-bound tokens) and the
 # release of the conformance API server.
@@ -414,6 +415,67 @@ def test_components_compose(kubectl: Path, tmp_path: Path) -> None:
     objs = render(kubectl, root / "mine")
     assert container(find(objs, "DaemonSet"))["args"] == ["run", "--node-condition=true", "--cdi=true"]
     assert any("nodes/status" in r["resources"] for r in find(objs, "ClusterRole")["rules"])
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A label selector's meaning (matchLabels, and the In / NotIn / Exists / DoesNotExist expressions)."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for e in selector.get("matchExpressions", []):
+        key, op, values = e["key"], e["operator"], e.get("values", [])
+        if not {"In": key in labels and labels[key] in values, "NotIn": labels.get(key) not in values,
+                "Exists": key in labels, "DoesNotExist": key not in labels}[op]:
+            return False
+    return True
+
+
+def _admits(policies: list[dict[str, Any]], pod: dict[str, str], namespace: dict[str, str], port: int) -> bool:
+    """Whether a pod in another namespace (labelled ``namespace``) may connect to ``port`` of a pod labelled ``pod``,
+    under NetworkPolicy's rules: a pod no Ingress policy selects admits everything, one that some select admits what
+    any of their rules admits."""
+    selecting = [p for p in policies if "Ingress" in p["spec"]["policyTypes"] and _selects(p["spec"]["podSelector"],
+                                                                                           pod)]
+    if not selecting:
+        return True
+    for policy in selecting:
+        for rule in policy["spec"].get("ingress", []):
+            peers = rule.get("from")
+            from_ok = not peers or any("namespaceSelector" in peer and "podSelector" not in peer
+                                       and _selects(peer["namespaceSelector"], namespace) for peer in peers)
+            ports = rule.get("ports")
+            port_ok = not ports or any(p.get("protocol", "TCP") == "TCP" and p.get("port") == port for p in ports)
+            if from_ok and port_ok:
+                return True
+    return False
+
+
+def test_metrics_network_policy_admits_scrapers_only_from_labelled_namespaces(
+        kubectl: Path, tmp_path: Path, rendered: dict[str, list[dict[str, Any]]]) -> None:
+    base, over = rendered["base"], rendered["metrics-network-policy"]
+    policy = (NAME + "-metrics")
+    # The overlay adds the policy and changes nothing else.
+    assert kinds(over) == BASE_OBJECTS | {("NetworkPolicy", policy)}
+    assert _without(over, {("NetworkPolicy", policy)}) == _without(base, set())
+    # With the controller too, as docs/observability.md tells an operator to combine them.
+    objs = render(kubectl, _own_overlay(tmp_path, {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "resources": ["../manifests/base"],
+        "components": ["../manifests/components/controller", "../manifests/components/metrics-network-policy"],
+    }) / "mine")
+    policies = [o for o in objs if o["kind"] == "NetworkPolicy"]
+    assert [p["metadata"]["name"] for p in policies] == [policy]
+    assert policies[0]["spec"]["policyTypes"] == ["Ingress"]  # egress to the API server untouched
+    scraper = {"kubernetes.io/metadata.name": "monitoring", "gpu-health.io/metrics-scraper": "true"}
+    other = {"kubernetes.io/metadata.name": "default"}
+    for workload in (find(objs, "DaemonSet", NAME), find(objs, "Deployment", "gpu-health-controller")):
+        pod = workload["spec"]["template"]["metadata"]["labels"]
+        ports = [p["containerPort"] for c in workload["spec"]["template"]["spec"]["containers"]
+                 for p in c.get("ports", [])]
+        assert len(ports) == 1, workload["metadata"]["name"]
+        assert _admits(policies, pod, scraper, ports[0]), f"{workload['metadata']['name']}: scrape refused"
+        assert not _admits(policies, pod, other, ports[0]), f"{workload['metadata']['name']}: any namespace admitted"
+        assert not _admits(policies, pod, scraper, 8080), f"{workload['metadata']['name']}: another port admitted"
+        # Without the component, anyone: what the policy changes.
+        assert _admits([], pod, other, ports[0])
 
 
 def test_runtime_class_can_be_dropped_as_documented(kubectl: Path, tmp_path: Path) -> None:

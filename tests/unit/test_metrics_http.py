@@ -8,6 +8,7 @@ import email.utils
 import http.client
 import logging
 import socket
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from types import SimpleNamespace
@@ -16,7 +17,7 @@ import pytest
 
 from plugin.health.node_state import NodeState
 from plugin.outlets.metrics import MetricsServer, Probes, Sources, build_registry, server
-from plugin.outlets.metrics.exposition import Family
+from plugin.outlets.metrics.exposition import Family, GaugeFamily
 
 WAIT = 10.0
 
@@ -64,6 +65,19 @@ def closed(sock: socket.socket, within: float = WAIT) -> bool:
         return True
     except TimeoutError:
         return False
+
+
+def ends(sock: socket.socket) -> bool:
+    """Whether the server ends the connection, after whatever it had already written is read."""
+    sock.settimeout(WAIT)
+    try:
+        while sock.recv(1 << 20):
+            pass
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        return False
+    return True
 
 
 def exchange(s: MetricsServer, data: bytes, *, wait_close: bool = False) -> tuple[int, dict[str, str], bytes, bool]:
@@ -127,8 +141,11 @@ def test_http_client_reuses_its_connection(srv: MetricsServer) -> None:
     (b"POST /metrics HTTP/1.1\r\nContent-Length: 0\r\n\r\n", 501, b"Unsupported method ('POST')\n"),
     (b"get /metrics HTTP/1.1\r\n\r\n", 501, b"Unsupported method ('get')\n"),
     (b"GET /" + b"a" * 70_000 + b" HTTP/1.1\r\n\r\n", 414, b"Request-URI Too Long\n"),
-    (b"GET / HTTP/1.1\r\nX: " + b"y" * 70_000 + b"\r\n\r\n", 431, b"Line too long\n"),
+    (b"GET / HTTP/1.1\r\nX: " + b"y" * 70_000 + b"\r\n\r\n", 431, b"Request header fields too large\n"),
     (b"GET / HTTP/1.1\r\n" + b"X: y\r\n" * 100 + b"\r\n", 431, b"Too many headers\n"),
+    # Three header lines of 4 KB: each far below a line limit, together over the head's 8 KiB.
+    (b"GET / HTTP/1.1\r\n" + (b"X: " + b"y" * 4000 + b"\r\n") * 3 + b"\r\n", 431,
+     b"Request header fields too large\n"),
 ])
 def test_bad_requests_are_answered_and_the_connection_closed(srv: MetricsServer, request_bytes: bytes, code: int,
                                                              body: bytes) -> None:
@@ -141,6 +158,13 @@ def test_bad_requests_are_answered_and_the_connection_closed(srv: MetricsServer,
 
 def test_ninety_nine_headers_are_fine(srv: MetricsServer) -> None:
     assert exchange(srv, b"GET /healthz HTTP/1.1\r\n" + b"X: y\r\n" * 99 + b"\r\n")[0] == 200
+
+
+def test_a_head_of_exactly_the_cap_is_fine(srv: MetricsServer) -> None:
+    head = b"GET /healthz HTTP/1.1\r\nX: \r\n\r\n"
+    head = head.replace(b"X: ", b"X: " + b"y" * (server.MAX_HEAD_BYTES - len(head)))
+    assert len(head) == server.MAX_HEAD_BYTES == 8192
+    assert exchange(srv, head)[0] == 200
 
 
 def test_head_is_not_implemented_and_has_no_body(srv: MetricsServer) -> None:
@@ -211,32 +235,129 @@ def test_a_client_that_vanishes_mid_request_costs_nothing(srv: MetricsServer, ca
     assert "Traceback" not in capfd.readouterr().err
 
 
-def test_a_slow_client_does_not_hold_up_another_and_is_cut_off(srv: MetricsServer,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(server, "HEAD_S", 1.0)
-    with connect(srv) as loris:
-        t0 = time.monotonic()
-        loris.sendall(b"GET /metrics HTTP/1.1\r\n")
-        cut = False
-        while not cut and time.monotonic() - t0 < 4.0:  # a header byte every 0.2 s, past the head's second
-            assert exchange(srv, b"GET /metrics HTTP/1.1\r\n\r\n")[0] == 200
-            try:
-                loris.sendall(b"X")
-            except (BrokenPipeError, ConnectionResetError):
-                cut = True
-            cut = cut or closed(loris, within=0.2)
-        took = time.monotonic() - t0
-    assert cut and 0.9 <= took < 2.5, took  # the whole head had one second, however the bytes trickled in
+class FakeClock:
+    """The server's monotonic clock, moved by the test: a deadline passes when the test says so, never by waiting."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
-def test_an_idle_keep_alive_connection_is_closed_after_a_while(srv: MetricsServer,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(server, "IDLE_S", 0.5)
-    with connect(srv) as sock:
-        sock.sendall(b"GET /healthz HTTP/1.1\r\n\r\n")
-        assert read_response(sock, bytearray())[0] == 200
-        assert not closed(sock, within=0.1)
-        assert closed(sock)
+def start(limits: server.Limits, clock: FakeClock | None = None) -> MetricsServer:
+    s = MetricsServer("127.0.0.1:0", build_registry(Sources(NodeState()), process=False), Probes(None, None, 30.0),
+                      limits=limits, clock=clock or time.monotonic)
+    s.start()
+    return s
+
+
+def test_a_dribbling_client_is_cut_at_the_head_deadline_and_does_not_hold_up_another() -> None:
+    clock = FakeClock()
+    s = start(server.Limits(head_s=1.0), clock)
+    try:
+        with connect(s) as loris:
+            loris.sendall(b"GET /metrics HTTP/1.1\r\n")
+            # Connections are accepted in order: once a later one is answered, the clock of this one runs.
+            assert exchange(s, b"GET /healthz HTTP/1.1\r\n\r\n")[0] == 200
+            # A header line every 0.4 s: each gap is well inside the deadline, as a per-recv timeout would see it.
+            for _ in range(3):
+                clock.now += 0.4
+                loris.sendall(b"X-Slow: y\r\n")
+                assert exchange(s, b"GET /metrics HTTP/1.1\r\n\r\n")[0] == 200  # meanwhile, others are served
+            # 1.2 s after the connection opened, its head still incomplete: answered 408 and closed.
+            code, headers, _ = read_response(loris, bytearray())
+            assert code == 408 and headers["connection"] == "close"
+            assert closed(loris)
+    finally:
+        s.stop()
+
+
+def test_a_connection_that_never_sends_is_closed_at_the_head_deadline() -> None:
+    clock = FakeClock()
+    s = start(server.Limits(head_s=1.0, idle_s=600.0), clock)
+    try:
+        with connect(s) as silent:
+            assert exchange(s, b"GET /healthz HTTP/1.1\r\n\r\n")[0] == 200  # the silent one is accepted by now
+            clock.now += 1.5
+            assert closed(silent)  # not the keep-alive idle time: no request came at all
+    finally:
+        s.stop()
+
+
+def test_an_idle_keep_alive_connection_is_closed_after_a_while() -> None:
+    clock = FakeClock()
+    s = start(server.Limits(head_s=1.0, idle_s=5.0), clock)
+    try:
+        with connect(s) as sock:
+            sock.sendall(b"GET /healthz HTTP/1.1\r\n\r\n")
+            assert read_response(sock, bytearray())[0] == 200
+            clock.now += 4.0  # past the head deadline, within the idle one: kept
+            sock.sendall(b"GET /healthz HTTP/1.1\r\n\r\n")
+            assert read_response(sock, bytearray())[0] == 200
+            clock.now += 5.5
+            assert closed(sock)
+    finally:
+        s.stop()
+
+
+def test_connections_beyond_the_cap_get_no_thread_and_the_longest_waiting_is_closed() -> None:
+    s = start(server.Limits(connections=4))
+    socks: list[socket.socket] = []
+    try:
+        threads = threading.active_count()
+        for _ in range(4):
+            socks.append(connect(s))
+            socks[-1].sendall(b"GET /healthz HTTP/1.1\r\n\r\n")
+            assert read_response(socks[-1], bytearray())[0] == 200  # accepted, now idle on keep-alive
+        assert s.connections() == 4 and threading.active_count() == threads
+        # The fifth is served: the one that has waited longest for its next request makes room.
+        code, _, _, _ = exchange(s, b"GET /metrics HTTP/1.1\r\n\r\n")
+        assert code == 200
+        assert closed(socks[0])
+        assert threading.active_count() == threads
+        for sock in socks[1:]:
+            sock.sendall(b"GET /readyz HTTP/1.1\r\n\r\n")
+        # Forty more, silent: none gets a thread, the server never holds more than four.
+        more = [connect(s) for _ in range(40)]
+        socks += more
+        assert exchange(s, b"GET /healthz HTTP/1.1\r\n\r\n")[0] == 200
+        assert s.connections() <= 4 and threading.active_count() == threads
+        assert sum(closed(sock) for sock in more[:36]) == 36  # the oldest make way for the newest
+    finally:
+        for sock in socks:
+            sock.close()
+        s.stop()
+
+
+class Big:
+    """A registry whose answer is about a megabyte: a few of them fill every socket buffer on the way."""
+
+    def collect(self) -> Iterable[Family]:
+        family = GaugeFamily("big", "filler", labels=["i"])
+        for i in range(20_000):
+            family.add_metric([f"{i:040d}"], i)
+        yield family
+
+
+def test_a_client_that_never_reads_its_answers_is_cut_at_the_send_deadline() -> None:
+    clock = FakeClock()
+    s = MetricsServer("127.0.0.1:0", Big(), Probes(None, None, 30.0),
+                      limits=server.Limits(head_s=600.0, idle_s=600.0, send_s=5.0), clock=clock)
+    s.start()
+    try:
+        with socket.socket() as hog:
+            # Its own window small and fixed, the server's send buffer bounded: the first answer cannot all leave.
+            hog.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            hog.connect(("127.0.0.1", s.port))
+            hog.setblocking(False)
+            hog.send(b"GET /metrics HTTP/1.1\r\n\r\n" * 40)  # 40 answers of a megabyte, never read
+            assert exchange(s, b"GET /healthz HTTP/1.1\r\n\r\n")[0] == 200  # others are served meanwhile
+            clock.now += 6.0  # its answer stuck for longer than the send deadline: cut off
+            hog.setblocking(True)
+            assert ends(hog)
+    finally:
+        s.stop()
 
 
 def test_stop_closes_open_connections(srv: MetricsServer) -> None:
