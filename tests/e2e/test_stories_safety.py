@@ -186,7 +186,8 @@ def test_30_a_flood_on_the_metrics_port_neither_grows_nor_kills_the_plugin(local
 def _fake_node(local: Local, name: str, gpus: int, allocatable: int) -> None:
     """A Node with no kubelet behind it: the API object alone, its GPU counts written as a kubelet would."""
     local.apply({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": {"e2e": "fake"}}})
-    _set_gpus(local, name, gpus, allocatable)
+    if gpus:
+        _set_gpus(local, name, gpus, allocatable)
 
 
 def _set_gpus(local: Local, name: str, gpus: int, allocatable: int) -> None:
