@@ -2,10 +2,9 @@
 (plugin/outlets/kubeapi.py). The reconciler and the watcher depend on the :class:`ControllerApi` protocol, the
 leader elector on its Lease part, :class:`LeaseApi`.
 
-The Node LIST comes one page at a time, each fetched only when the one before has been used: a realistic Node's JSON
-(its images, conditions and managed fields) is about 17 KB on the wire and some 60 KB once parsed, so a whole
-fleet's LIST held at once would be hundreds of MiB at 5,000 Nodes, where the controller keeps only a few KB of facts
-per Node.
+The Node LIST comes one page at a time, each fetched only when the one before has been used: a real GPU node's
+JSON (its images, conditions and managed fields) is about 20 KB on the wire and 50 KB once parsed, so a whole
+fleet's LIST held at once is hundreds of MiB at 5,000 Nodes, where the controller keeps a few KB of facts per Node.
 """
 
 from __future__ import annotations
@@ -16,15 +15,15 @@ from urllib.parse import quote
 
 from plugin.outlets.kubeapi import JSON, MERGE_PATCH, KubeClient
 
-# Nodes per LIST page. A page's raw answer, its text and its parsed JSON are alive together while it is read:
-# about 20 MiB for 100 realistic Nodes, where 500 (the API server's own chunk size) made it about 100 MiB.
+# Nodes per LIST page. A page's raw answer, its text and its parsed JSON are alive together while it is read: at
+# 5,000 real-sized Nodes a LIST in pages of 100 peaked at 80 MiB of RSS, in pages of 500 (the API server's own chunk
+# size) at 121 MiB, in pages of 50 at 75 MiB for twice the requests (bench/bench_fleet.py --list-probe).
 LIST_PAGE = 100
 
 
 class NodePage(NamedTuple):
     items: list[dict[str, Any]]
     resource_version: str  # the list's: every page of one LIST is served from the same snapshot
-    last: bool
 
 
 class LeaseApi(Protocol):
@@ -77,7 +76,7 @@ class KubeControllerApi:
             rv = str(meta.get("resourceVersion") or "")
             items = [i for i in page.get("items") or [] if isinstance(i, dict)]
             del page, meta
-            yield NodePage(items, rv, not cont)
+            yield NodePage(items, rv)
             del items
             if not cont:
                 return

@@ -192,7 +192,7 @@ class FakeControllerApi:
         for start in range(0, max(1, len(snapshot)), size):
             if start:
                 self._enter("list nodes", str(start))
-            yield NodePage(snapshot[start:start + size], rv, start + size >= len(snapshot))
+            yield NodePage(snapshot[start:start + size], rv)
 
     def watch_nodes(self, selector: str, resource_version: str, timeout_s: int) -> Iterator[dict[str, Any]]:
         self._enter("watch nodes", resource_version)
