@@ -188,6 +188,8 @@ class LeaderElector:
             if exc.status != 404:
                 raise
             lease = None
+        # When the answer came, not when the read was sent: the record was written before the server read it, so
+        # the lease duration counted from here ends after the holder's renew deadline, whatever the latency.
         now = self._clock()
         if lease is None:
             sent = dict(self._pending)
