@@ -3,11 +3,14 @@
 
 The API server and etcd are the conformance peer's (tests/conformance/apiserver); the Nodes are plain objects that
 look like GPU nodes running our plugin (GPU labels, ``nvidia.com/gpu: 8``, the plugin's annotations, schema v1,
-rendered by the plugin's own code), and kwok (``sigs.k8s.io/kwok``, built from its Go module in bench/go/kwok)
-keeps their heartbeats like kubelets: each node's Lease in ``kube-node-lease`` renewed every 10 s (leaseDuration
-40 s, the kubelet's), and its status written every 5 minutes, each node at its own phase (the kubelet's
-nodeStatusReportFrequency). Every client gets its own service account, so the audit log tells one client's
-requests from another's.
+rendered by the plugin's own code). With ``realistic=True`` they also carry what a real GPU node's object carries and
+a controller has to read past: 50 container images with digests, the kubelet's five conditions with their messages,
+feature-discovery labels, addresses and node info, and managedFields of two managers (created as the kubelet, the
+annotations then written as the plugin): about 17 KB each as the server serves them. kwok (``sigs.k8s.io/kwok``,
+built from its Go module in bench/go/kwok) keeps their heartbeats like kubelets: each node's Lease in
+``kube-node-lease`` renewed every 10 s (leaseDuration 40 s, the kubelet's), and its status written every 5 minutes,
+each node at its own phase (the kubelet's nodeStatusReportFrequency). Every client gets its own service account, so
+the audit log tells one client's requests from another's.
 
     with Fleet(5000, Path(tempfile.mkdtemp())) as fleet:
         kubeconfig = fleet.kubeconfig_for("controller")         # its own user in the audit log
@@ -138,6 +141,7 @@ class Fleet:
     node_prefix: str = "gpu-node-"
     prefix: str = DEFAULT_PREFIX
     extra_apiserver_args: Sequence[str] = ()
+    realistic: bool = False  # True: Node objects the size of real GPU nodes' (see the module docstring)
     verbose: bool = True
     timings: dict[str, float] = field(default_factory=dict)
     peer: ApiServerPeer | None = None
@@ -404,17 +408,28 @@ class Fleet:
 
     def _create_node(self, name: str) -> None:
         self._devices[name] = [_Device() for _ in range(GPUS_PER_NODE)]
-        phase = random.Random(f"{self.seed}/{name}").uniform(0, self.status_period_s)
-        self._ensure("/api/v1/nodes", self._node_body(name, phase))
+        rng = random.Random(f"{self.seed}/{name}")
+        phase = rng.uniform(0, self.status_period_s)
+        if not self.realistic:
+            self._ensure("/api/v1/nodes", self._node_body(name, phase))
+            return
+        # Two writers, as on a real node: the kubelet registers the Node, the plugin then annotates it; each
+        # becomes an entry of managedFields.
+        body = realistic_node(name, self._node_body(name, phase), rng)
+        annotations = body["metadata"].pop("plugin-annotations")
+        self._ensure("/api/v1/nodes", body, manager="kubelet")
+        self._call("PATCH", f"/api/v1/nodes/{name}", {"metadata": {"annotations": annotations}},
+                   "application/merge-patch+json")
 
-    def _ensure(self, collection: str, body: Mapping[str, Any]) -> None:
+    def _ensure(self, collection: str, body: Mapping[str, Any], manager: str = COMPONENT) -> None:
         try:
-            self._call("POST", collection, body)
+            self._call("POST", collection, body, manager=manager)
         except _HttpError as exc:
             if exc.status != 409:
                 raise
 
-    def _call(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> dict[str, Any]:
+    def _call(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
+              manager: str = COMPONENT) -> dict[str, Any]:
         """One request as admin on this thread's kept-alive connection. Every request the fleet makes may be sent
         twice (a create answers 409 then, which :meth:`_ensure` accepts), so one whose kept-alive connection the
         server had closed while idle is sent again on a fresh one."""
@@ -425,7 +440,7 @@ class Fleet:
         if body is not None:
             payload = json.dumps(body, separators=(",", ":")).encode()
             headers["Content-Type"] = content_type
-        url = path if method == "GET" else f"{path}{'&' if '?' in path else '?'}fieldManager={COMPONENT}"
+        url = path if method == "GET" else f"{path}{'&' if '?' in path else '?'}fieldManager={manager}"
         for attempt in (1, 2):
             conn: http.client.HTTPSConnection | None = getattr(self._local, "conn", None)
             reused = conn is not None
@@ -490,6 +505,88 @@ class Fleet:
                     subresource=ref.get("subresource", ""), namespace=ref.get("namespace", ""),
                     name=ref.get("name", ""), code=(e.get("responseStatus") or {}).get("code"),
                     completed=_parse_time(e.get("stageTimestamp", ""))))
+
+
+# What a GPU node's object carries besides what the controller reads. Image names are made up but shaped like a
+# GPU node's: CUDA, framework and inference images, each known by a digest and one or two tags, as the kubelet lists
+# them (at most 50, its nodeStatusMaxImages).
+_IMAGE_REPOS = tuple(f"registry.example.com/{path}" for path in (
+    "nvidia/pytorch", "nvidia/tritonserver", "nvidia/cuda", "nvidia/nemo", "nvidia/k8s-device-plugin",
+    "nvidia/gpu-operator", "nvidia/dcgm-exporter", "ml-platform/training-runtime", "ml-platform/inference",
+    "infra/node-problem-detector", "kubernetes/kube-proxy", "kubernetes/pause", "calico/node", "calico/cni",
+    "prometheus/node-exporter"))
+_FEATURE_LABELS = {
+    "feature.node.kubernetes.io/cpu-cpuid.AVX512F": "true", "feature.node.kubernetes.io/cpu-cpuid.AVX512BW": "true",
+    "feature.node.kubernetes.io/cpu-cpuid.AMXTILE": "true",
+    "feature.node.kubernetes.io/cpu-hardware_multithreading": "true",
+    "feature.node.kubernetes.io/cpu-model.vendor_id": "Intel",
+    "feature.node.kubernetes.io/kernel-version.major": "6", "feature.node.kubernetes.io/kernel-version.minor": "8",
+    "feature.node.kubernetes.io/pci-10de.present": "true",
+    "feature.node.kubernetes.io/pci-15b3.present": "true", "feature.node.kubernetes.io/rdma.available": "true",
+    "feature.node.kubernetes.io/system-os_release.ID": "ubuntu",
+    "feature.node.kubernetes.io/system-os_release.VERSION_ID": "24.04",
+    "nvidia.com/cuda.runtime.major": "12", "nvidia.com/cuda.runtime.minor": "9", "nvidia.com/gpu.compute.major": "9",
+    "nvidia.com/gpu.compute.minor": "0", "nvidia.com/gpu.deploy.device-plugin": "true",
+    "nvidia.com/gpu.deploy.dcgm-exporter": "true", "nvidia.com/gpu.machine": "p5.48xlarge",
+    "nvidia.com/gpu.replicas": "1", "nvidia.com/mig.strategy": "single", "nvidia.com/gfd.timestamp": "1767225600",
+    "topology.kubernetes.io/region": "us-east-2", "beta.kubernetes.io/arch": "amd64", "beta.kubernetes.io/os": "linux",
+    "beta.kubernetes.io/instance-type": "p5.48xlarge", "node.kubernetes.io/lifecycle": "normal",
+}
+_CONDITION_MESSAGES = (
+    ("MemoryPressure", "False", "KubeletHasSufficientMemory", "kubelet has sufficient memory available"),
+    ("DiskPressure", "False", "KubeletHasNoDiskPressure", "kubelet has no disk pressure"),
+    ("PIDPressure", "False", "KubeletHasSufficientPID", "kubelet has sufficient PID available"),
+    ("NetworkUnavailable", "False", "CalicoIsUp", "Calico is running on this node"),
+)
+
+
+def realistic_node(name: str, bare: dict[str, Any], rng: random.Random) -> dict[str, Any]:
+    """``bare`` (a :meth:`Fleet._node_body`) grown to a real GPU node's object; its plugin annotations moved to
+    ``metadata["plugin-annotations"]`` for the caller to write as the plugin."""
+    doc = json.loads(json.dumps(bare))
+    meta, status = doc["metadata"], doc["status"]
+    index = int(name.rsplit("-", 1)[-1]) if name.rsplit("-", 1)[-1].isdigit() else 0
+    ip = f"10.{index // 65536 % 256}.{index // 256 % 256}.{index % 256}"
+    meta["labels"].update(_FEATURE_LABELS)
+    meta["labels"]["topology.kubernetes.io/zone"] = f"us-east-2{'abc'[index % 3]}"
+    meta["labels"]["nvidia.com/gpu-driver-upgrade-state"] = "upgrade-done"
+    plugin = {k: v for k, v in meta["annotations"].items() if k != KWOK_ANNOTATION}
+    meta["annotations"] = {
+        KWOK_ANNOTATION: "fake", "node.alpha.kubernetes.io/ttl": "0",
+        "volumes.kubernetes.io/controller-managed-attach-detach": "true",
+        "csi.volume.kubernetes.io/nodeid": json.dumps({"ebs.csi.aws.com": f"i-{rng.getrandbits(64):016x}",
+                                                       "efs.csi.aws.com": f"i-{rng.getrandbits(64):016x}"}),
+        "nfd.node.kubernetes.io/feature-labels": ",".join(sorted(k.split("/", 1)[1] for k in _FEATURE_LABELS
+                                                                 if k.startswith("feature."))),
+    }
+    meta["plugin-annotations"] = plugin
+    doc["spec"] = {"podCIDR": f"100.64.{index % 256}.0/24", "podCIDRs": [f"100.64.{index % 256}.0/24"],
+                   "providerID": f"aws:///us-east-2a/i-{rng.getrandbits(64):016x}"}
+    ready = status["conditions"][0]
+    status["conditions"] = [{"type": t, "status": st, "reason": reason, "message": message,
+                             "lastHeartbeatTime": ready["lastHeartbeatTime"],
+                             "lastTransitionTime": ready["lastTransitionTime"]}
+                            for t, st, reason, message in _CONDITION_MESSAGES] + [ready]
+    status["addresses"] = [{"type": "InternalIP", "address": ip}, {"type": "Hostname", "address": name},
+                           {"type": "InternalDNS", "address": f"ip-{ip.replace('.', '-')}.us-east-2.compute.internal"}]
+    status["daemonEndpoints"] = {"kubeletEndpoint": {"Port": 10250}}
+    status["nodeInfo"].update({"bootID": str(uuid_of(rng)), "machineID": f"{rng.getrandbits(128):032x}",
+                               "systemUUID": str(uuid_of(rng)), "kernelVersion": "6.8.0-1021-aws",
+                               "osImage": "Ubuntu 24.04.2 LTS"})
+    images = []
+    for i in range(50):
+        repo = _IMAGE_REPOS[i % len(_IMAGE_REPOS)]
+        names = [f"{repo}@sha256:{rng.getrandbits(256):064x}", f"{repo}:{24 + i // 15}.{i % 12:02d}-py3"]
+        if i % 3 == 0:
+            names.append(f"{repo}:v{i // 3}.{i % 7}.{i % 5}")
+        images.append({"names": names, "sizeBytes": rng.randrange(20_000_000, 22_000_000_000)})
+    status["images"] = images
+    return doc
+
+
+def uuid_of(rng: random.Random) -> str:
+    h = f"{rng.getrandbits(128):032x}"
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
 class _HttpError(RuntimeError):

@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """The fleet controller at 50 and at 5,000 GPU Nodes on a real kube-apiserver (issue 15), with kwok keeping the
-Nodes' heartbeats like kubelets (bench/_fleet.py).
+Nodes' heartbeats like kubelets (bench/_fleet.py). The Nodes are the size of real GPU nodes' objects (50 images,
+five conditions, managedFields of two managers: issue 24) unless ``--bare-nodes``; the size of one, as served and
+as parsed, is printed.
 
 For each fleet size, one `gpu-health-controller` process (byte-compiled, as in the image; its own service account,
 so the audit log tells its requests apart) with the default breaker (0.1), then:
@@ -14,8 +16,15 @@ so the audit log tells its requests apart) with the default breaker (0.1), then:
 3. **correlated failure**: 20% of the nodes fail at once; how many end up quarantined (target: exactly the limit)
    and how long that took.
 
+Memory: the controller's RSS once ready and its peak (VmHWM) over the run; with two sizes or more, the cost per
+Node (RSS once ready at the largest size minus at the one before, over the difference in Nodes). Then the LIST alone:
+for each of ``--list-probe`` (pages of N Nodes, or ``whole``: every page kept until the last, as before issue 24), a
+fresh process of the controller's own code lists the fleet into a standby reconciler and reports its RSS and peak,
+beside one that only imports the same modules.
+
     python bench/bench_fleet.py                       # 50 and 5,000 nodes
     python bench/bench_fleet.py --nodes 50 --changes 20 --idle 30
+    python bench/bench_fleet.py --nodes 500,5000 --list-probe 50,100,500,whole
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ sys.path.insert(0, str(REPO))
 
 from bench._common import compiled_env, cpu_seconds, machine, pct, rss_mib  # noqa: E402
 from bench._fleet import NAMESPACE, Fleet  # noqa: E402
+from plugin.controller.api import LIST_PAGE, KubeControllerApi  # noqa: E402
 from plugin.outlets.kubeapi import ApiFailure, KubeClient  # noqa: E402
 
 TAINT = "gpu-health.io/quarantine"
@@ -64,6 +74,84 @@ def count_tainted(client: KubeClient) -> int:
 
 def tainted(node: dict[str, Any]) -> bool:
     return any(t.get("key") == TAINT for t in (node.get("spec") or {}).get("taints") or [])
+
+
+def peak_rss_mib(pid: int | str = "self") -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def node_size(fleet: Fleet) -> dict[str, Any]:
+    """One Node as the API server serves it (compact JSON, bytes) and as Python holds it parsed (bytes allocated)."""
+    import tracemalloc
+
+    raw = json.dumps(fleet.get_node(fleet.node_names[len(fleet.node_names) // 2]), separators=(",", ":"))
+    tracemalloc.start()
+    try:
+        doc = json.loads(raw)
+        parsed = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    managers = sorted({str(m.get("manager")) for m in doc["metadata"].get("managedFields") or []})
+    return {"serialized_kb": round(len(raw) / 1000, 1), "parsed_kb": round(parsed / 1000, 1),
+            "images": len(doc["status"].get("images") or []), "conditions": len(doc["status"].get("conditions") or []),
+            "managers": ",".join(managers)}
+
+
+class _Standby:
+    """The reconciler's view of the elector for a LIST probe: never leading, so nothing is decided or written."""
+
+    def is_leader(self) -> bool:
+        return False
+
+    def annotations(self) -> dict[str, str]:
+        return {}
+
+    def seen_annotations(self) -> dict[str, str]:
+        return {}
+
+    def set_annotation(self, key: str, value: str) -> None:
+        pass
+
+
+def probe_main(mode: str, kubeconfig: Path) -> None:
+    """In a process of its own: the controller's modules, then (unless ``mode`` is ``imports``) one LIST of the
+    fleet into a standby reconciler the way the controller's watcher does it; prints RSS and peak as JSON."""
+    from plugin.controller.nodes import CONTROLLER, Keys
+    from plugin.controller.policy import Rules
+    from plugin.controller.reconciler import Reconciler, Settings
+    from plugin.controller.watcher import NodeWatcher
+
+    out: dict[str, Any] = {"mode": mode}
+    if mode != "imports":
+        api = KubeControllerApi(KubeClient(kubeconfig, component=CONTROLLER),
+                                page_size=LIST_PAGE if mode == "whole" else int(mode))
+        rec = Reconciler(api, Settings(keys=Keys("gpu-health.io"), rules=Rules()), _Standby())
+        t0 = time.monotonic()
+        if mode == "whole":  # what the controller did before issue 24: every page kept until the last
+            items: list[dict[str, Any]] = []
+            for page in api.list_node_pages(""):
+                items.extend(page.items)
+            rec.replace(items)
+            del items
+        else:
+            NodeWatcher(api, "", rec, resync_s=3600.0).list_all()
+        out.update(nodes=len(rec.entries), list_s=round(time.monotonic() - t0, 2))
+        api.close()
+    out.update(rss_mib=round(rss_mib(), 1), peak_mib=round(peak_rss_mib(), 1))
+    print(json.dumps(out))
+
+
+def list_probe(kubeconfig: Path, modes: list[str]) -> list[dict[str, Any]]:
+    out = []
+    env = compiled_env(REPO)
+    for mode in ["imports", *modes]:
+        run = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--probe", mode, "--probe-kubeconfig",
+                              str(kubeconfig)], cwd=REPO, env=env, capture_output=True, text=True, check=True)
+        out.append(json.loads(run.stdout.strip().splitlines()[-1]))
+    return out
 
 
 def free_port() -> int:
@@ -118,7 +206,7 @@ def _wait_patch(fleet: Fleet, node: str, user: str, since: float, timeout_s: flo
     raise TimeoutError(f"{node}: no patch by {user} within {timeout_s:.0f}s")
 
 
-def latency(fleet: Fleet, changes: int, rng: random.Random) -> tuple[list[float], list[float]]:
+def latency(fleet: Fleet, changes: int, rng: random.Random, heal_after_s: float) -> tuple[list[float], list[float]]:
     """Annotation change -> taint, on the API server's clock: from the audit entry of the plugin-like PATCH of the
     annotations to that of the controller's quarantine PATCH of the same node (no client in between). Also, apart,
     the part after the server had answered the annotation PATCH (what the watch and the controller take)."""
@@ -134,6 +222,7 @@ def latency(fleet: Fleet, changes: int, rng: random.Random) -> tuple[list[float]
         out.append(taint.time - change.time)
         after.append(taint.time - change.completed)
         since = taint.time
+        time.sleep(heal_after_s)  # the device heals this long after the server received the taint (not timed)
         fleet.set_device_state(name, 2, "Healthy")
         _wait_patch(fleet, name, controller, since + 1e-6)  # the release (recovery hold 0 here)
     return out, after
@@ -164,17 +253,23 @@ def correlated(fleet: Fleet, client: KubeClient, share: float, rng: random.Rando
             "blocked": breaker.get("blocked")}
 
 
-def run(n: int, changes: int, idle_s: float, seed: int, lease_duration_s: int) -> dict[str, Any]:
+def run(n: int, changes: int, idle_s: float, seed: int, lease_duration_s: int, realistic: bool,
+        probes: list[str], heal_after_s: float) -> dict[str, Any]:
     rng = random.Random(seed)
     work = Path(tempfile.mkdtemp(prefix=f"bench-fleet-{n}-"))
-    with Fleet(n, work / "fleet", lease_duration_s=lease_duration_s) as fleet:
+    with Fleet(n, work / "fleet", lease_duration_s=lease_duration_s, realistic=realistic) as fleet:
+        size = node_size(fleet)
+        print(f"{n} nodes: one Node object is {size['serialized_kb']} KB served, {size['parsed_kb']} KB parsed "
+              f"({size['images']} images, {size['conditions']} conditions, managedFields of {size['managers']})",
+              file=sys.stderr, flush=True)
         kubeconfig = fleet.kubeconfig_for("controller")
         port = free_port()
         proc = start_controller(fleet, work, kubeconfig, port)
         try:
             client = KubeClient(fleet.kubeconfig)
             sync_s = wait_synced(client, proc, port)
-            lat, after = latency(fleet, changes, rng)
+            memory = {"rss_ready_mib": round(rss_mib(proc.pid), 1), "peak_ready_mib": round(peak_rss_mib(proc.pid), 1)}
+            lat, after = latency(fleet, changes, rng, heal_after_s)
             time.sleep(3)  # the last release settles before the idle window opens
             user = fleet.user_of("controller")
             cpu0, w0 = cpu_seconds(proc.pid), time.time()
@@ -192,10 +287,13 @@ def run(n: int, changes: int, idle_s: float, seed: int, lease_duration_s: int) -
             fleet_cpu = fleet.measure_idle(10)
             storm = correlated(fleet, client, 0.2, rng)
             rss_after = round(rss_mib(proc.pid), 1)
+            memory["peak_end_mib"] = round(peak_rss_mib(proc.pid), 1)
         finally:
             proc.terminate()
             proc.wait(20)
-    return {"nodes": n, "node_lease_duration_s": lease_duration_s, "sync_s": round(sync_s, 1),
+        list_probes = list_probe(kubeconfig, probes) if probes else []
+    return {"nodes": n, "node_lease_duration_s": lease_duration_s, "node_object": size, "memory": memory,
+            "list_probes": list_probes, "sync_s": round(sync_s, 1),
             "latency_samples_ms": [round(v * 1000, 1) for v in lat],
             "after_answer_samples_ms": [round(v * 1000, 1) for v in after],
             "after_answer": {"p50_ms": round(statistics.median(after) * 1000, 1),
@@ -214,10 +312,27 @@ def main() -> None:
     ap.add_argument("--node-lease-duration", type=int, default=40,
                     help="the simulated kubelets' node Lease duration, renewed at a quarter of it (default 40 s, the "
                          "kubelet's: 500 Lease writes/s at 5,000 nodes)")
+    ap.add_argument("--bare-nodes", action="store_true",
+                    help="Node objects with only what the controller reads (the fleet of issue 15), not real-sized")
+    ap.add_argument("--list-probe", default="",
+                    help="comma-separated LIST probes after each size: a page size, or 'whole' (default: none)")
+    ap.add_argument("--heal-after", type=float, default=0.0,
+                    help="seconds between the taint and the timed device's healing (default 0: at once)")
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--probe", help=argparse.SUPPRESS)
+    ap.add_argument("--probe-kubeconfig", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    results = [run(int(n), args.changes, args.idle, args.seed, args.node_lease_duration)
-               for n in args.nodes.split(",")]
+    if args.probe:
+        probe_main(args.probe, args.probe_kubeconfig)
+        return
+    probes = [p for p in args.list_probe.split(",") if p]
+    for p in probes:
+        if p != "whole" and not (p.isdigit() and int(p) > 0):
+            ap.error(f"--list-probe: {p!r} is neither a page size nor 'whole'")
+    if args.heal_after < 0:
+        ap.error(f"--heal-after: {args.heal_after} is negative")
+    results = [run(int(n), args.changes, args.idle, args.seed, args.node_lease_duration, not args.bare_nodes, probes,
+                   args.heal_after) for n in args.nodes.split(",")]
     print(f"machine: {machine()}")
     for r in results:
         lat, idle, storm = r["latency"], r["idle"], r["correlated_20pct"]
@@ -230,9 +345,19 @@ def main() -> None:
               f"{storm['quarantined']} quarantined (limit {storm['limit']}, most seen {storm['max_seen']}, limit "
               f"reached in {storm['limit_reached_s']}s, breaker {storm['breaker']}, blocked {storm['blocked']}); "
               f"RSS after {r['rss_after_storm_mib']} MiB")
+        size, mem = r["node_object"], r["memory"]
+        print(f"{r['nodes']:>5} nodes: Node object {size['serialized_kb']} KB served, {size['parsed_kb']} KB parsed; "
+              f"controller RSS once ready {mem['rss_ready_mib']} MiB (peak {mem['peak_ready_mib']}), peak over the run "
+              f"{mem['peak_end_mib']} MiB")
+        for p in r["list_probes"]:
+            print(f"{r['nodes']:>5} nodes: LIST probe {p['mode']}: RSS {p['rss_mib']} MiB, peak {p['peak_mib']} MiB"
+                  + (f", {p['nodes']} nodes in {p['list_s']}s" if "nodes" in p else ""))
     if len(results) >= 2:
         small, big = results[0]["latency"]["p99_ms"], results[-1]["latency"]["p99_ms"]
         print(f"p99 at {results[-1]['nodes']} / p99 at {results[0]['nodes']}: {big / small:.2f}x")
+        lo, hi = results[-2], results[-1]  # the two largest: the interpreter and the modules cancel out
+        per_node = (hi["memory"]["rss_ready_mib"] - lo["memory"]["rss_ready_mib"]) * 1024 / (hi["nodes"] - lo["nodes"])
+        print(f"controller RSS per Node (once ready, {hi['nodes']} vs {lo['nodes']}): {per_node:.1f} KiB")
     print(json.dumps(results, indent=1))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

@@ -6,8 +6,11 @@ Deployment's replicas exactly one acts.
   never compared.
 - The leader renews every ``retry_period`` with an update carrying the Lease's ``resourceVersion`` (no read first:
   a renewal is one request). A 409 means someone else wrote the Lease: it reads again at the next round.
-- The leader counts as leader only until ``renew_deadline`` after its last successful renewal, which is shorter
-  than ``lease_duration``: it stops acting before anyone else may take over, so two replicas never act at once.
+- The leader counts as leader only until ``renew_deadline`` after it *sent* its last successful renewal (or the
+  write that took the Lease), which is shorter than ``lease_duration``: it stops acting before anyone else may take
+  over, so two replicas never act at once. Counted from the send, not the answer: the server applied the write
+  somewhere in between, and a standby's clock starts from an answer that came after that, so a slow answer cannot
+  stretch a term into the next leader's. The reconciler asks :meth:`is_leader` immediately before each write.
 - On a clean stop the leader hands the Lease back (holder cleared), so a standby takes over at once.
 
 The leader also keeps small state on the Lease's annotations (the breaker): :meth:`set_annotation` queues a value
@@ -23,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from plugin.controller.api import ControllerApi
+from plugin.controller.api import LeaseApi
 from plugin.outlets.kubeapi import ApiFailure
 
 log = logging.getLogger(__name__)
@@ -34,7 +37,7 @@ def _micro_time(t: float) -> str:
 
 
 class LeaderElector:
-    def __init__(self, api: ControllerApi, namespace: str, name: str, identity: str, *, lease_duration_s: float,
+    def __init__(self, api: LeaseApi, namespace: str, name: str, identity: str, *, lease_duration_s: float,
                  renew_deadline_s: float, retry_period_s: float, clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time,
                  on_change: Callable[[bool], None] | None = None,
@@ -159,10 +162,10 @@ class LeaderElector:
             meta["annotations"] = annotations
         return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": meta, "spec": spec}
 
-    def _written(self, lease: dict[str, Any], sent: dict[str, str]) -> None:
+    def _written(self, lease: dict[str, Any], sent: dict[str, str], sent_at: float) -> None:
         with self._lock:
             self._lease = lease
-            self._renewed_at = self._clock()
+            self._renewed_at = sent_at
             for k, v in sent.items():
                 if self._pending.get(k) == v:
                     del self._pending[k]
@@ -173,7 +176,9 @@ class LeaderElector:
         sent = dict(self._pending)
         spec = self._spec(False, int((self._lease.get("spec") or {}).get("leaseTransitions") or 0))
         self.requests += 1
-        self._written(self.api.update_lease(self.namespace, self.name, self._body(self._lease, spec)), sent)
+        body = self._body(self._lease, spec)
+        sent_at = self._clock()
+        self._written(self.api.update_lease(self.namespace, self.name, body), sent, sent_at)
 
     def _try_acquire(self) -> None:
         self.requests += 1
@@ -183,11 +188,15 @@ class LeaderElector:
             if exc.status != 404:
                 raise
             lease = None
+        # When the answer came, not when the read was sent: the record was written before the server read it, so
+        # the lease duration counted from here ends after the holder's renew deadline, whatever the latency.
         now = self._clock()
         if lease is None:
             sent = dict(self._pending)
             self.requests += 1
-            self._written(self.api.create_lease(self.namespace, self._body(None, self._spec(True, 0))), sent)
+            body = self._body(None, self._spec(True, 0))
+            sent_at = self._clock()
+            self._written(self.api.create_lease(self.namespace, body), sent, sent_at)
             return
         spec = lease.get("spec") or {}
         holder = str(spec.get("holderIdentity") or "")
@@ -213,7 +222,8 @@ class LeaderElector:
         sent = dict(self._pending)
         self.requests += 1
         body = self._body(lease, self._spec(True, self.transitions + (1 if holder else 0)))
-        self._written(self.api.update_lease(self.namespace, self.name, body), sent)
+        sent_at = self._clock()
+        self._written(self.api.update_lease(self.namespace, self.name, body), sent, sent_at)
         log.info("leader election: took over lease %s/%s from %r", self.namespace, self.name, holder or "nobody")
 
     def _renew_from(self, lease: dict[str, Any]) -> None:

@@ -116,17 +116,37 @@ class Reconciler:
 
     # The feed (watcher thread) ----------------------------------------------------------------------------------
 
-    def replace(self, nodes: list[dict[str, Any]]) -> None:
+    def begin_list(self) -> None:
+        """A LIST starts: its pages follow as they arrive (each page's JSON is let go once its facts are kept)."""
         with self._cond:
-            seen = set()
+            self._listed: set[str] = set()  # the Nodes this LIST has named so far
+
+    def list_page(self, nodes: list[dict[str, Any]]) -> None:
+        with self._cond:
             for doc in nodes:
                 name = self._store(doc, force=True)
                 if name:
-                    seen.add(name)
-            for gone in [n for n in self.entries if n not in seen]:
-                self._forget(gone)
+                    self._listed.add(name)
+            self._cond.notify_all()
+
+    def end_list(self) -> None:
+        """The LIST is complete: what it did not name is gone (its DELETED event was lost), and the cache is synced.
+        A LIST that failed part-way never gets here, so nothing is forgotten on a partial one's word."""
+        with self._cond:
+            seen, self._listed = self._listed, set()
+            self._forget_unseen(seen)
             self.synced = True
             self._cond.notify_all()
+
+    def _forget_unseen(self, seen: set[str]) -> None:
+        for gone in [n for n in self.entries if n not in seen]:
+            self._forget(gone)
+
+    def replace(self, nodes: list[dict[str, Any]]) -> None:
+        """A whole LIST in one page (tests, and callers that have one)."""
+        self.begin_list()
+        self.list_page(nodes)
+        self.end_list()
 
     def upsert(self, node: dict[str, Any]) -> None:
         with self._cond:

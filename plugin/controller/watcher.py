@@ -1,6 +1,11 @@
 """The Node cache's feed: one LIST, then a watch resumed from the last resourceVersion it saw (bookmarks keep that
 fresh while nothing changes), a new LIST only when the server says the version is too old (410 Gone) or once per
 ``resync_s``. Failures back off with jitter, like every other API loop of the project.
+
+A LIST goes to the sink page by page as the pages arrive (``begin_list``, ``list_page`` for each, ``end_list``), and
+each page's Nodes are let go before the next page is requested: the sink keeps only what its decisions need, so
+the feed's memory is one page of Node JSON (one Node on the watch), whatever the size of the fleet. A LIST that
+fails part-way never reaches ``end_list``: what it did deliver is current, and nothing is forgotten on its word.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ WATCH_MAX_S = 600
 
 
 class NodeSink(Protocol):
-    def replace(self, nodes: list[dict[str, Any]]) -> None: ...
+    def begin_list(self) -> None: ...
+    def list_page(self, nodes: list[dict[str, Any]]) -> None: ...
+    def end_list(self) -> None: ...
     def upsert(self, node: dict[str, Any]) -> None: ...
     def delete(self, node: dict[str, Any]) -> None: ...
 
@@ -83,14 +90,23 @@ class NodeWatcher:
                 log.exception("node watch: unexpected error; retrying in 5s")
                 self._stop.wait(5.0)
 
+    def list_all(self) -> None:
+        """One LIST of the Nodes into the sink, page by page."""
+        rv = ""
+        self.sink.begin_list()
+        for page in self.api.list_node_pages(self.selector):
+            self.sink.list_page(page.items)
+            rv = page.resource_version
+            del page  # before the next page is requested
+        self.sink.end_list()
+        self.resource_version, self._listed_at = rv, self._clock()
+        self.lists += 1
+        self.last_error = ""
+
     def round(self) -> None:
         """List if needed, then follow one watch until the server ends it."""
         if not self.resource_version or self._clock() - self._listed_at >= self.resync_s:
-            items, rv = self.api.list_nodes(self.selector)
-            self.sink.replace(items)
-            self.resource_version, self._listed_at = rv, self._clock()
-            self.lists += 1
-            self.last_error = ""
+            self.list_all()
         timeout = self._rng.randint(WATCH_MIN_S, WATCH_MAX_S)
         self.watches += 1
         for event in self.api.watch_nodes(self.selector, self.resource_version, timeout):

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from plugin.controller.api import NodePage
 from plugin.outlets.kubeapi import ApiFailure
 
 P = "gpu-health.io"
@@ -116,6 +117,7 @@ class FakeControllerApi:
         self.streams: list[list[StreamItem]] = []
         self.watch_calls: list[tuple[str, str, int]] = []
         self.list_calls: list[str] = []
+        self.list_page_size = 0
         self.idle = threading.Event()  # set when a watch found no scripted stream left and waits for close()
         self._closed = threading.Event()
 
@@ -178,6 +180,19 @@ class FakeControllerApi:
         self.list_calls.append(selector)
         with self._lock:
             return [copy.deepcopy(n) for n in self.nodes.values()], str(self.rv)
+
+    def list_node_pages(self, selector: str) -> Iterator[NodePage]:
+        """The controller's LIST: pages of ``list_page_size`` Nodes (all in one when 0) from one snapshot, each
+        request a "list nodes" call (so ``fail("list nodes", ...)`` can fail any page)."""
+        self._enter("list nodes", "")
+        self.list_calls.append(selector)
+        with self._lock:
+            snapshot, rv = [copy.deepcopy(n) for n in self.nodes.values()], str(self.rv)
+        size = self.list_page_size or max(1, len(snapshot))
+        for start in range(0, max(1, len(snapshot)), size):
+            if start:
+                self._enter("list nodes", str(start))
+            yield NodePage(snapshot[start:start + size], rv)
 
     def watch_nodes(self, selector: str, resource_version: str, timeout_s: int) -> Iterator[dict[str, Any]]:
         self._enter("watch nodes", resource_version)

@@ -265,3 +265,59 @@ def test_never_two_leaders_at_once(api: FakeControllerApi, clock: FakeClock) -> 
         assert len(leading) <= 1, (clock.now, leading)
         leaders_seen.update(leading)
     assert len(leaders_seen) >= 2  # the test did make it change hands
+
+
+class SlowAnswers(FakeControllerApi):
+    """Lease writes that the server applies at once but whose answers reach the replica ``answer_s`` later (on
+    the test's clock): a congested connection, a slow proxy."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__()
+        self.clock_ = clock
+        self.answer_s = 0.0
+
+    def update_lease(self, namespace: str, name: str, body: Any) -> dict[str, Any]:
+        out = super().update_lease(namespace, name, body)
+        self.clock_.advance(self.answer_s)
+        return out
+
+    def create_lease(self, namespace: str, body: Any) -> dict[str, Any]:
+        out = super().create_lease(namespace, body)
+        self.clock_.advance(self.answer_s)
+        return out
+
+
+def test_the_renew_deadline_counts_from_when_the_renewal_was_sent(clock: FakeClock) -> None:
+    """A renewal whose answer comes late must not lead longer: another replica's clock started when the server
+    applied it, which is before the answer arrived."""
+    api = SlowAnswers(clock)
+    a, b = Replica(api, clock, "a"), Replica(api, clock, "b")
+    api.answer_s = 6
+    assert a.step()  # created at T0, answered at T0+6: leads until T0+10, not T0+16
+    clock.now = T0 + 9.9
+    assert a.el.is_leader()
+    clock.now = T0 + 10
+    assert not a.el.is_leader()
+    assert not b.step()
+    sent = clock.now
+    api.answer_s = 7
+    assert a.step()  # a renewal sent now and answered 7 s later
+    assert clock.now == sent + 7
+    clock.now = sent + 9.9
+    assert a.el.is_leader()
+    clock.now = sent + 10
+    assert not a.el.is_leader()
+
+
+def test_a_takeover_answered_late_leads_from_when_it_was_sent(clock: FakeClock) -> None:
+    api = SlowAnswers(clock)
+    a, b = Replica(api, clock, "a"), Replica(api, clock, "b")
+    a.step()
+    b.step()
+    clock.advance(15)
+    api.answer_s = 4
+    sent = clock.now
+    assert b.step()  # a never renewed: b takes over, and hears so 4 s later
+    assert spec(api)["holderIdentity"] == "b"
+    clock.now = sent + 10
+    assert not b.el.is_leader()

@@ -1,6 +1,6 @@
-"""The Node feed: one LIST, then watches resumed from the last resourceVersion, bookmarks, 410 Gone and the resync,
-into the real reconciler's cache (as a standby, so nothing is written), from an in-memory API server whose watch
-streams the test scripts."""
+"""The Node feed: one LIST (in pages), then watches resumed from the last resourceVersion, bookmarks, 410 Gone and
+the resync, into the real reconciler's cache (as a standby, so nothing is written), from an in-memory API server
+whose watch streams the test scripts."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ class Feed:
     def __init__(self, nodes: int = 3, resync_s: float = 3600.0) -> None:
         self.clock = FakeClock(T0)
         self.api = FakeControllerApi()
+        self.api.list_page_size = 2  # every LIST of more than two Nodes comes in pages
         for i in range(nodes):
             self.api.add_node(gpu_node(f"n{i}"))
         self.rec = Reconciler(self.api, Settings(keys=Keys(P), rules=Rules()), FakeLeadership(leader=False),
