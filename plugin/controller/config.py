@@ -440,6 +440,10 @@ class ControllerConfig:
         "--max-quarantined-fraction", "breaker.maxQuarantinedFraction", _open_fraction, "most of the GPU nodes "
         "(above 0, at most 1) the controller keeps quarantined; at least one node when there is one; a quarantine "
         "beyond it opens the circuit breaker", "FRACTION"))
+    max_quarantined_nodes: int = field(default=0, metadata=_opt(
+        "--max-quarantined-nodes", "breaker.maxQuarantinedNodes", _count, "most GPU nodes the controller keeps "
+        "quarantined, whatever the fleet's size; the smaller of this and the fraction's limit wins; 0: no "
+        "absolute cap", "N"))
     lease_duration_s: float = field(default=15.0, metadata=_opt(
         "--lease-duration", "leaderElection.leaseDuration", _Duration(positive=True), "how long standbys wait "
         "after the last renewal before taking the Lease over", "DURATION"))

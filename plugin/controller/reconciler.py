@@ -58,6 +58,7 @@ class Settings:
     drain: bool = False
     drain_per_minute: float = 10.0
     max_quarantined_fraction: float = 0.1
+    max_quarantined_nodes: int = 0
     dry_run: bool = False
     reset_breaker: bool = False
     namespace: str = "gpu-health-system"  # the Lease's, for the breaker's Events
@@ -107,7 +108,7 @@ class Reconciler:
         self.gpu_nodes: set[str] = set()
         self.quarantined: set[str] = set()
         self.candidates: set[str] = set()
-        self.breaker = Breaker(settings.max_quarantined_fraction)
+        self.breaker = Breaker(settings.max_quarantined_fraction, max_nodes=settings.max_quarantined_nodes)
         self.stats = Stats()
         self.synced = False
         self.last_step_at = 0.0
@@ -223,7 +224,7 @@ class Reconciler:
                 for name in self.gpu_nodes:
                     self._dirty[name] = None
                 state = BreakerState.from_json(self.leader.seen_annotations().get(self._breaker_key))
-                self.breaker = Breaker(self.s.max_quarantined_fraction, state)
+                self.breaker = Breaker(self.s.max_quarantined_fraction, state, self.s.max_quarantined_nodes)
                 self._breaker_written = state.to_json()
                 if self.s.reset_breaker:
                     self.breaker.reset(rfc3339(self.clock()), f"--reset-breaker at {rfc3339(self.clock())}")
