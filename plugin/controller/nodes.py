@@ -74,6 +74,12 @@ class Keys:
         return f"{self.prefix}/quarantine-drained"
 
     @property
+    def label(self) -> str:
+        """The label (key=value) the quarantine added, as it added it: release removes that one, whatever
+        --quarantine-label says by then."""
+        return f"{self.prefix}/quarantine-label"
+
+    @property
     def breaker(self) -> str:
         return f"{self.prefix}/breaker"
 
@@ -83,7 +89,7 @@ class Keys:
 
     def ours(self) -> tuple[str, ...]:
         """The Node annotations a quarantine writes, and its release removes."""
-        return (self.by, self.reason, self.message, self.at, self.owns, self.drained)
+        return (self.by, self.reason, self.message, self.at, self.owns, self.drained, self.label)
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,7 @@ class Quarantine:
     at: float | None
     owns: frozenset[str]
     drained: bool
+    label: str = ""  # key=value of the label it added ("" when it added none)
 
 
 @dataclass(frozen=True)
@@ -199,7 +206,8 @@ def facts_of(node: Mapping[str, Any], keys: Keys) -> NodeFacts:
     if annotations.get(keys.by) == CONTROLLER:
         owns = frozenset(x.strip() for x in annotations.get(keys.owns, "").split(",") if x.strip())
         quarantine = Quarantine(reason=annotations.get(keys.reason, ""), at=parse_time(annotations.get(keys.at)),
-                                owns=owns, drained=bool(annotations.get(keys.drained)))
+                                owns=owns, drained=bool(annotations.get(keys.drained)),
+                                label=annotations.get(keys.label, ""))
     has_taint = any(t.get("key") == keys.taint for t in taints)
     return NodeFacts(
         name=str(meta.get("name") or ""), uid=str(meta.get("uid") or ""),

@@ -46,13 +46,15 @@ def quarantine(f: NodeFacts, keys: Keys, *, reason: str, message: str, now: str,
         spec["unschedulable"] = True
         owns.append(OWN_CORDON)
     meta: dict[str, Any] = {"resourceVersion": f.resource_version}
+    annotations = {keys.by: CONTROLLER, keys.reason: reason, keys.message: message, keys.at: now}
     if label:
         key, value = split_label(label)
         if key not in f.labels:  # an operator's label of that key stays theirs
             meta["labels"] = {key: value}
             owns.append(OWN_LABEL)
-    meta["annotations"] = {keys.by: CONTROLLER, keys.reason: reason, keys.message: message, keys.at: now,
-                           keys.owns: ",".join(owns)}
+            annotations[keys.label] = label
+    annotations[keys.owns] = ",".join(owns)
+    meta["annotations"] = annotations
     return {"metadata": meta, "spec": spec}
 
 
@@ -74,8 +76,9 @@ def drained(f: NodeFacts, keys: Keys, *, now: str) -> dict[str, Any]:
     return {"metadata": {"resourceVersion": f.resource_version, "annotations": {keys.drained: now}}}
 
 
-def release(f: NodeFacts, keys: Keys, *, label: str) -> dict[str, Any]:
-    """Undo our quarantine: our taints, our cordon, our label, our annotations; nothing an operator set."""
+def release(f: NodeFacts, keys: Keys) -> dict[str, Any]:
+    """Undo our quarantine: our taints, our cordon, our label, our annotations; nothing an operator set. What to
+    take back is what the record says was added, never today's settings."""
     q = f.quarantine
     assert q is not None
     drop = set()
@@ -89,6 +92,8 @@ def release(f: NodeFacts, keys: Keys, *, label: str) -> dict[str, Any]:
         spec["unschedulable"] = False
     meta: dict[str, Any] = {"resourceVersion": f.resource_version,
                             "annotations": dict.fromkeys(keys.ours())}
-    if OWN_LABEL in q.owns and label:
-        meta["labels"] = {split_label(label)[0]: None}
+    if OWN_LABEL in q.owns and q.label:
+        key, value = split_label(q.label)
+        if f.labels.get(key) == value:  # a value an operator put there since is theirs
+            meta["labels"] = {key: None}
     return {"metadata": meta, "spec": spec}

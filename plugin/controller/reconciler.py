@@ -436,7 +436,7 @@ class Reconciler:
             return
         assert f.quarantine is not None
         reason = f.quarantine.reason
-        self._write(e, "release", patches.release(f, self.s.keys, label=self.s.label))
+        self._write(e, "release", patches.release(f, self.s.keys))
         log.info("released %s (quarantined for %s, fit for %.0f min)", f.name, reason, held)
         self._event(f, "GPUNodeReleased", "Normal",
                     f"released: fit for {held:.0f} min (recovery hold {self.s.recovery_hold_s:.0f}s); was "

@@ -231,8 +231,8 @@ def quarantine(doc: dict[str, Any], cordon: bool = False, label: str = "") -> di
     return apply(doc, p)
 
 
-def release(doc: dict[str, Any], label: str = "") -> dict[str, Any]:
-    return apply(doc, patches.release(facts(doc), KEYS, label=label))
+def release(doc: dict[str, Any]) -> dict[str, Any]:
+    return apply(doc, patches.release(facts(doc), KEYS))
 
 
 def without_rv(doc: dict[str, Any]) -> dict[str, Any]:
@@ -258,8 +258,10 @@ def test_quarantine_adds_our_taint_and_records_what_it_added() -> None:
     assert ann[f"{P}/quarantine-message"] == "reboot-node asked for by gpu.3"
     assert ann[f"{P}/quarantined-at"] == "2026-01-01T00:00:00Z"
     assert ann[f"{P}/quarantine-owns"] == "taint,cordon,label"
+    assert ann[f"{P}/quarantine-label"] == f"{P}/quarantined=true"
     f = facts(after)
     assert f.quarantine is not None and f.quarantine.owns == {"taint", "cordon", "label"} and f.quarantine.at == T0
+    assert f.quarantine.label == f"{P}/quarantined=true"
 
 
 def test_quarantine_owns_nothing_an_operator_had_set_already() -> None:
@@ -269,7 +271,7 @@ def test_quarantine_owns_nothing_an_operator_had_set_already() -> None:
     assert after["spec"]["taints"] == [mine]  # not a second taint of the same key and effect
     assert after["metadata"]["labels"] == {f"{P}/quarantined": "by-hand"}
     assert after["metadata"]["annotations"][f"{P}/quarantine-owns"] == ""
-    assert without_rv(release(after, label=f"{P}/quarantined=true")) == without_rv(before)
+    assert without_rv(release(after)) == without_rv(before)
 
 
 @pytest.mark.parametrize("cordon", [False, True])
@@ -279,7 +281,7 @@ def test_release_restores_the_node_exactly_as_it_was(cordon: bool, label: str) -
                               annotations={f"{P}/note": "kept", "example.com/owner": "ops"}))
     q = quarantine(before, cordon=cordon, label=label)
     assert q != before
-    assert without_rv(release(q, label=label)) == without_rv(before)
+    assert without_rv(release(q)) == without_rv(before)
 
 
 def test_release_leaves_taints_added_after_the_quarantine() -> None:
@@ -299,7 +301,7 @@ def test_every_patch_carries_the_resource_version_it_was_decided_on() -> None:
     q = quarantine(doc)
     f = facts(q)
     for p in (patches.no_execute(f, KEYS, reason="r", now=rfc(T0)), patches.drained(f, KEYS, now=rfc(T0)),
-              patches.release(f, KEYS, label="")):
+              patches.release(f, KEYS)):
         assert p["metadata"]["resourceVersion"] == "42"
 
 

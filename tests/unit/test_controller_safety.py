@@ -6,8 +6,10 @@ invariants themselves are in test_controller_invariants.py.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
+from plugin.controller.reconciler import Reconciler
 from tests.fakes.controller_api import T0, gpu_node
 from tests.unit.test_controller_reconciler import Rig
 
@@ -84,3 +86,33 @@ def test_a_quarantined_node_deleted_from_the_server_is_forgotten_on_its_404() ->
     rig.run_until(T0 + 10)
     assert "n0" not in rig.rec.entries
     assert rig.rec.counts()["gpu_nodes"] == 9 and rig.rec.counts()["quarantined"] == 0
+
+
+# 3. Release takes back exactly what was added --------------------------------------------------------------------
+
+
+def test_release_after_a_change_of_the_label_setting_removes_the_label_it_added() -> None:
+    rig = Rig([gpu_node("n", {1: "Unhealthy"}, labels={"team.example.com/owner": "alice"})],
+              label="gpu-health.io/quarantined=true", recovery_hold_s=60)
+    rig.step()
+    assert rig.node("n")["metadata"]["labels"]["gpu-health.io/quarantined"] == "true"
+    # The controller restarts with another label setting, one whose key an operator already uses on the node.
+    settings = replace(rig.settings, label="team.example.com/owner=gpu-health")
+    rig.rec = Reconciler(rig.api, settings, rig.lead, clock=rig.clock)
+    rig.rec.replace(rig.api.list_nodes("")[0])
+    rig.rec.leadership_changed(True)
+    rig.agent("n", {1: "Healthy"}, since=rig.clock.now)
+    rig.run_until(T0 + 600)
+    assert rig.quarantined() == []
+    assert rig.node("n")["metadata"]["labels"] == {"team.example.com/owner": "alice"}
+
+
+def test_a_label_an_operator_changed_during_the_quarantine_is_theirs() -> None:
+    rig = Rig([gpu_node("n", {1: "Unhealthy"})], label="gpu-health.io/quarantined=true", recovery_hold_s=60)
+    rig.step()
+    rig.api.edit("n", {"metadata": {"labels": {"gpu-health.io/quarantined": "keep-for-rma"}}})
+    rig.watch("n")
+    rig.agent("n", {1: "Healthy"}, since=rig.clock.now)
+    rig.run_until(T0 + 600)
+    assert rig.quarantined() == []
+    assert rig.node("n")["metadata"]["labels"] == {"gpu-health.io/quarantined": "keep-for-rma"}
