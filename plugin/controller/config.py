@@ -211,6 +211,16 @@ def _metrics_address(v: Any) -> str:
     return "off" if v is False else _string(_listen_address)(v)
 
 
+def _annotation_prefix(s: str) -> str:
+    check_prefix(s)
+    # The controller keeps its own record under controller.<prefix>/, where the node agent cannot write: that too
+    # must be a DNS subdomain.
+    own = f"controller.{s}"
+    if not is_dns_subdomain(own):
+        raise ValueError(f"too long: the controller's own prefix {own!r} must be at most 253 chars, got {s!r}")
+    return s
+
+
 def _label(s: str) -> str:
     if not s:
         return ""
@@ -385,8 +395,9 @@ class ControllerConfig:
         "--lease-name", "leaseName", _string(_object_name), "name of the leader-election Lease (it also keeps the "
         "breaker's state)", "NAME"))
     annotation_prefix: str = field(default="gpu-health.io", metadata=_opt(
-        "--annotation-prefix", "annotationPrefix", _string(check_prefix), "DNS subdomain of the node agent's "
-        "annotations and of the controller's taint, annotations and label", "DOMAIN"))
+        "--annotation-prefix", "annotationPrefix", _string(_annotation_prefix), "DNS subdomain of the node agent's "
+        "annotations and of the controller's taint; the controller's own record of a quarantine is under "
+        "controller.<prefix>/", "DOMAIN"))
     node_selector: str = field(default="", metadata=_opt(
         "--node-selector", "nodeSelector", _string(_selector), "label selector of the nodes to manage (key=value, "
         "key!=value, key, !key, key in (a,b), key notin (a,b), comma-separated); empty: every node with a "

@@ -70,7 +70,9 @@ class Settings:
 class Entry:
     facts: NodeFacts
     assessment: Assessment
-    fit_seen: float | None = None  # when we first saw it fit, if the annotations do not say
+    # When this process first saw it fit, by its own clock: the recovery hold counts from here, never from a time
+    # the node agent wrote (its account can write any device `since`). A new leader starts the hold over.
+    fit_seen: float | None = None
     dry: Quarantine | None = None  # what --dry-run pretends it applied
     drained_logged: bool = False
     blocked_told: bool = False  # its GPUQuarantineBlocked Event went out (once while it waits)
@@ -389,8 +391,7 @@ class Reconciler:
             return
         if e.fit_seen is None:
             e.fit_seen = now
-        since = a.fit_since if a.fit_since is not None else e.fit_seen
-        due = since + self.s.recovery_hold_s
+        due = e.fit_seen + self.s.recovery_hold_s
         if now < due:
             self._at(due, name)
             return
@@ -426,7 +427,7 @@ class Reconciler:
 
     def _release(self, e: Entry, now: float) -> None:
         f = e.facts
-        held = (now - (e.assessment.fit_since or e.fit_seen or now)) / 60.0
+        held = (now - (e.fit_seen if e.fit_seen is not None else now)) / 60.0
         if e.dry is not None:
             e.dry = None
             with self._cond:

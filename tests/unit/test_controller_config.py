@@ -208,6 +208,9 @@ def test_quarantine_label_and_selector_helpers() -> None:
 # Rejections: each names the value where it was written -------------------------------------------------------------
 
 FLAG_REJECTIONS: list[tuple[list[str], str, str]] = [
+    # 245 characters is a DNS subdomain, but controller.<it> (the controller's own record) is not.
+    (["--annotation-prefix", ".".join(["a" * 60] * 4) + ".io"], "--annotation-prefix", "controller.aaaa"),
+    (["--max-quarantined-nodes", "-3"], "--max-quarantined-nodes", "must be 0 or more"),
     (["--namespace", "Team_A"], "--namespace", "DNS label"),
     (["--namespace", "x" * 64], "--namespace", "at most 63"),
     (["--identity", "two words"], "--identity", "without spaces"),

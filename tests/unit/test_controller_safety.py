@@ -10,7 +10,7 @@ from dataclasses import replace
 from typing import Any
 
 from plugin.controller.reconciler import Reconciler
-from tests.fakes.controller_api import T0, gpu_node
+from tests.fakes.controller_api import T0, gpu_node, rfc
 from tests.unit.test_controller_reconciler import Rig
 
 NO_GPUS = {"status": {"capacity": {"nvidia.com/gpu": None}, "allocatable": {"nvidia.com/gpu": None}}}
@@ -116,3 +116,31 @@ def test_a_label_an_operator_changed_during_the_quarantine_is_theirs() -> None:
     rig.run_until(T0 + 600)
     assert rig.quarantined() == []
     assert rig.node("n")["metadata"]["labels"] == {"gpu-health.io/quarantined": "keep-for-rma"}
+
+
+# 4. The agent cannot forge the controller's record, nor its hold ------------------------------------------------
+
+
+def test_an_agent_forging_the_old_record_cannot_make_the_controller_uncordon() -> None:
+    taint = {"key": "gpu-health.io/quarantine", "value": "unhealthy-devices", "effect": "NoSchedule"}
+    forged = {"gpu-health.io/quarantined-by": "gpu-health-controller", "gpu-health.io/quarantine-owns": "cordon,taint",
+              "gpu-health.io/quarantine-reason": "unhealthy-devices", "gpu-health.io/quarantined-at": rfc(T0 - 86400)}
+    # An operator cordoned the node (and put our taint on by hand); a compromised agent writes the old record and
+    # healthy devices that say they recovered a day ago.
+    rig = Rig([gpu_node("n", since=T0 - 86400, unschedulable=True, taints=[taint], annotations=forged)],
+              recovery_hold_s=60)
+    rig.run_until(T0 + 3600)
+    assert rig.api.writes() == []
+    assert rig.node("n")["spec"]["unschedulable"] is True and rig.taints("n") == [taint]
+    assert rig.rec.counts()["quarantined"] == 0
+
+
+def test_the_recovery_hold_runs_on_the_controllers_clock_not_the_agents_since() -> None:
+    rig = Rig([gpu_node("n", {2: "Unhealthy"})], recovery_hold_s=600)
+    rig.step()
+    rig.clock.now = T0 + 400
+    rig.agent("n", {2: "Healthy"}, since=T0 - 86400)  # a since from long ago: not a reason to skip the hold
+    rig.run_until(T0 + 999)
+    assert rig.quarantined() == ["n"]
+    rig.run_until(T0 + 1000)
+    assert rig.quarantined() == []
