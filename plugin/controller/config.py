@@ -412,8 +412,8 @@ class ControllerConfig:
     dry_run: bool = field(default=False, metadata=_opt(
         "--dry-run", "dryRun", parse_bool, "decide, log and post Events saying what would be done; change no node"))
     reset_breaker: bool = field(default=False, metadata=_opt(
-        "--reset-breaker", "", parse_bool, "close the circuit breaker at start (like the Lease's breaker-reset "
-        "annotation)"))
+        "--reset-breaker", "", parse_bool, "close the circuit breaker once, when this process first leads (like "
+        "the Lease's breaker-reset annotation); not again on a later leadership"))
     resync_interval_s: float = field(default=3600.0, metadata=_opt(
         "--resync-interval", "resyncInterval", _Duration(positive=True), "time between full re-lists of the "
         "nodes; between them only the watch is read", "DURATION"))

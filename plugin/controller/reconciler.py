@@ -121,6 +121,7 @@ class Reconciler:
         self._poked = False
         self._lease_events: list[dict[str, Any]] = []
         self._breaker_written = ""
+        self._reset_flag_used = False  # --reset-breaker acts at the first acquisition only
         self._backoff = Backoff(1.0, 60.0)
         self._eviction_at = 0.0  # when the drain rate allows the next eviction (over all nodes)
         self._stop = threading.Event()
@@ -228,7 +229,10 @@ class Reconciler:
                 state = BreakerState.from_json(self.leader.seen_annotations().get(self._breaker_key))
                 self.breaker = Breaker(self.s.max_quarantined_fraction, state, self.s.max_quarantined_nodes)
                 self._breaker_written = state.to_json()
-                if self.s.reset_breaker:
+                if self.s.reset_breaker and not self._reset_flag_used:
+                    # Once per process start: a Lease blip or a hand-over and back must not close, again, a breaker
+                    # that opened since.
+                    self._reset_flag_used = True
                     self.breaker.reset(rfc3339(self.clock()), f"--reset-breaker at {rfc3339(self.clock())}")
             self._cond.notify_all()
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from plugin.controller.breaker import OPEN, BreakerState
 from plugin.controller.reconciler import Reconciler
-from tests.fakes.controller_api import T0, gpu_node, rfc
+from tests.fakes.controller_api import T0, P, gpu_node, rfc
 from tests.unit.test_controller_reconciler import Rig
 
 NO_GPUS = {"status": {"capacity": {"nvidia.com/gpu": None}, "allocatable": {"nvidia.com/gpu": None}}}
@@ -144,3 +145,27 @@ def test_the_recovery_hold_runs_on_the_controllers_clock_not_the_agents_since() 
     assert rig.quarantined() == ["n"]
     rig.run_until(T0 + 1000)
     assert rig.quarantined() == []
+
+
+# 5. --reset-breaker acts once per process start ------------------------------------------------------------------
+
+
+def test_reset_breaker_closes_the_breaker_once_per_process_not_per_leadership() -> None:
+    rig = Rig([gpu_node(f"n{i:02}", {0: "Unhealthy"} if i < 5 else None) for i in range(20)], leader=False,
+              reset_breaker=True)
+    opened = BreakerState(state=OPEN, since=rfc(T0 - 600), limit=2, gpu_nodes=20, quarantined=0, blocked=5)
+    rig.lead.lease_annotations[f"{P}/breaker"] = opened.to_json()
+    rig.lead.leader = True
+    rig.rec.leadership_changed(True)
+    assert not rig.rec.breaker.is_open  # the flag closes it at the first acquisition
+    rig.step()
+    assert len(rig.quarantined()) == 2 and rig.rec.breaker.is_open  # and the limit opened it again
+    # A Lease blip: leadership lost and won back (or handed over and back) with the flag still set.
+    rig.clock.now = T0 + 30
+    rig.lead.leader = False
+    rig.rec.leadership_changed(False)
+    rig.lead.leader = True
+    rig.rec.leadership_changed(True)
+    assert rig.rec.breaker.is_open
+    rig.run_until(T0 + 60)
+    assert len(rig.quarantined()) == 2
