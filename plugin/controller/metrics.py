@@ -48,6 +48,12 @@ class ControllerCollector:
                                "lease": self.le.failures}.items()):
             failures.add_metric([call], n)
         yield failures
+        refused = CounterFamily(P + "refused_writes", "Node writes the API server refused for good (403, 422, ...), "
+                                "by action: not retried until the node changes or the next resync",
+                                labels=["action"])
+        for action, n in sorted(self.r.stats.refused_writes.items()):
+            refused.add_metric([action], n)
+        yield refused
         yield CounterFamily(P + "conflicts", "writes refused with 409 (the Node moved on; read and decided again)",
                             self.r.stats.conflicts)
         yield CounterFamily(P + "evictions_blocked", "evictions a PodDisruptionBudget refused (retried later)",

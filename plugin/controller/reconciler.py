@@ -38,6 +38,23 @@ DRAIN_RECHECK_S = 10.0  # how often a drain looks again at pods it could not evi
 # without it) is read again by name: the only way to learn that it recovered, or that it is gone (404).
 OUT_OF_SIGHT_RECHECK_S = 60.0
 IDLE_WAKE_S = 60.0
+RETRY_INITIAL_S = 1.0  # one Node's back-off after a failed request: 1 s doubling to a minute
+RETRY_MAX_S = 60.0
+
+
+def permanent(status: int | None) -> bool:
+    """A refusal that asking again will not change (403 from RBAC or a webhook, 422, 400): final for the decision
+    it answered. 409 (moved on), 429 (throttled or a budget), 408 (timed out) and 404 (gone) are not."""
+    return status is not None and 400 <= status < 500 and status not in (404, 408, 409, 429)
+
+
+class Refused(Exception):
+    """A write the API server refused for good (see :func:`permanent`)."""
+
+    def __init__(self, action: str, failure: ApiFailure) -> None:
+        super().__init__(f"{action}: {failure}")
+        self.action = action
+        self.failure = failure
 
 
 class Leadership(Protocol):
@@ -77,6 +94,11 @@ class Entry:
     drained_logged: bool = False
     blocked_told: bool = False  # its GPUQuarantineBlocked Event went out (once while it waits)
     refused: set[str] = field(default_factory=set)  # its pods a PodDisruptionBudget held back (429)
+    # Each Node backs off on its own: other Nodes' successes say nothing about why this one's requests fail.
+    backoff: Backoff = field(default_factory=lambda: Backoff(RETRY_INITIAL_S, RETRY_MAX_S))
+    # A write refused for good: the decision's inputs and the LIST generation it was refused at. Not retried until
+    # either moves (the Node changed, or a resync listed it again).
+    refusal: tuple[object, ...] | None = None
     watched: bool = True  # the watch (or the last LIST) shows it; False: ours, kept and read again by name
     read_at: float | None = None  # when an out-of-sight Node was last read by name
 
@@ -90,6 +112,7 @@ class Stats:
     actions: dict[str, int] = field(default_factory=dict)
     api_failures: dict[str, int] = field(default_factory=dict)
     conflicts: int = 0
+    refused_writes: dict[str, int] = field(default_factory=dict)  # by action: refused for good (403, 422, ...)
     events_posted: int = 0
     event_failures: int = 0
     evictions_blocked: int = 0
@@ -122,7 +145,7 @@ class Reconciler:
         self._lease_events: list[dict[str, Any]] = []
         self._breaker_written = ""
         self._reset_flag_used = False  # --reset-breaker acts at the first acquisition only
-        self._backoff = Backoff(1.0, 60.0)
+        self._lists = 0  # LISTs fed in (start, resync, after 410): a refused write is tried again after one
         self._eviction_at = 0.0  # when the drain rate allows the next eviction (over all nodes)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -131,6 +154,7 @@ class Reconciler:
 
     def replace(self, nodes: list[dict[str, Any]]) -> None:
         with self._cond:
+            self._lists += 1
             seen = set()
             for doc in nodes:
                 name = self._store(doc, force=True)
@@ -170,6 +194,8 @@ class Reconciler:
             old.facts = f  # only the version moved (a heartbeat): nothing to decide
             if sighted:
                 self._count(f.name)
+            if old.refusal is not None and old.refusal[1] != self._lists:
+                self._dirty[f.name] = None  # a resync listed it again: a refused write gets its one more try
             return f.name if force else ""
         a = assess(f, self.s.rules)
         if old is None:
@@ -295,7 +321,11 @@ class Reconciler:
                 break  # lost the Lease mid-batch: stop writing at once
             try:
                 self._decide(name, now)
-                self._backoff.reset()
+                e = self.entries.get(name)
+                if e is not None:
+                    e.backoff.reset()
+            except Refused as exc:
+                self._refused(name, exc, now)
             except ApiFailure as exc:
                 self._failed(name, exc, now)
             self._flush_lease_events()
@@ -315,13 +345,21 @@ class Reconciler:
 
     def _failed(self, name: str, exc: ApiFailure, now: float) -> None:
         self.stats.last_error = f"{name}: {exc}"
+        with self._cond:
+            e = self.entries.get(name)
+        if e is None:
+            return
         if exc.status == 409:
             self.stats.conflicts += 1
             try:
                 node = self.api.get_node(name)
             except ApiFailure as again:
                 self.stats.count(self.stats.api_failures, "get")
-                self._at(now + self._backoff.next_delay(again.retry_after), name)
+                if again.status == 404:
+                    with self._cond:
+                        self._drop(name)
+                    return
+                self._at(now + e.backoff.next_delay(again.retry_after), name)
                 return
             with self._cond:
                 if self._store(node, force=True, watched=False):
@@ -331,9 +369,24 @@ class Reconciler:
             with self._cond:
                 self._drop(name)  # gone from the server (a read or a write by name said so): nothing left to hold
             return
-        delay = self._backoff.next_delay(exc.retry_after)
+        delay = e.backoff.next_delay(exc.retry_after)
         log.warning("reconcile %s: %s; trying again in %.1fs", name, exc, delay)
         self._at(now + delay, name)
+
+    def _refused(self, name: str, exc: Refused, now: float) -> None:
+        """Logged once, one Event, counted; the Node waits for a change or a resync."""
+        self.stats.last_error = f"{name}: {exc.failure}"
+        with self._cond:
+            e = self.entries.get(name)
+            if e is None:
+                return
+            e.refusal = (e.facts.decision_key(), self._lists)
+            f = e.facts
+        self.stats.count(self.stats.refused_writes, exc.action)
+        log.warning("reconcile %s: %s refused: %s; not retried until the node changes or the next resync", name,
+                    exc.action, exc.failure)
+        self._event(f, "GPUNodeWriteRefused", "Warning", f"{exc.action} refused by the API server: {exc.failure}; "
+                    f"not retried until the node changes or the next resync", now)
 
     # Decisions --------------------------------------------------------------------------------------------------
 
@@ -360,6 +413,10 @@ class Reconciler:
             if e is None or name not in self.gpu_nodes:
                 return
             f, a = e.facts, e.assessment
+            if e.refusal is not None:
+                if e.refusal == (f.decision_key(), self._lists):
+                    return  # refused for good on these very inputs
+                e.refusal = None
         q = f.quarantine or e.dry
         if q is None:
             e.fit_seen = None
@@ -450,8 +507,10 @@ class Reconciler:
     def _write(self, e: Entry, action: str, patch: dict[str, Any]) -> None:
         try:
             node = self.api.patch_node(e.facts.name, patch)
-        except ApiFailure:
+        except ApiFailure as exc:
             self.stats.count(self.stats.api_failures, "patch")
+            if permanent(exc.status):
+                raise Refused(action, exc) from None
             raise
         self.stats.count(self.stats.actions, action)
         with self._cond:

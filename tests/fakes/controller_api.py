@@ -110,6 +110,8 @@ class FakeControllerApi:
         self.failures: dict[str, list[ApiFailure]] = {}  # call name -> failures to raise, first first
         self.down = False  # every call fails as when the API server cannot be reached
         self.before_patch: Callable[[str], None] | None = None  # runs before a Node patch is applied (a racer)
+        # Node name -> the failure every patch of that Node gets (a webhook that always says no, a 503 that lasts)
+        self.refuse_patches: dict[str, ApiFailure] = {}
         self.clock: Callable[[], float] = lambda: 0.0
         # The watcher's side: the watch streams to hand out, one per watch call. An item is an event, a failure
         # to raise there, or a callable: something that happens on the server (or to the clock) at that point.
@@ -207,6 +209,8 @@ class FakeControllerApi:
 
     def patch_node(self, name: str, patch: Mapping[str, Any]) -> dict[str, Any]:
         self._enter("patch node", name)
+        if name in self.refuse_patches:
+            raise self.refuse_patches[name]
         if self.before_patch is not None:
             racer, self.before_patch = self.before_patch, None
             racer(name)

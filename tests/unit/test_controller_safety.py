@@ -11,6 +11,7 @@ from typing import Any
 
 from plugin.controller.breaker import OPEN, BreakerState
 from plugin.controller.reconciler import Reconciler
+from plugin.outlets.kubeapi import ApiFailure
 from tests.fakes.controller_api import T0, P, gpu_node, rfc
 from tests.unit.test_controller_reconciler import Rig
 
@@ -169,3 +170,70 @@ def test_reset_breaker_closes_the_breaker_once_per_process_not_per_leadership() 
     assert rig.rec.breaker.is_open
     rig.run_until(T0 + 60)
     assert len(rig.quarantined()) == 2
+
+
+# 6. Per-node back-off; a refusal is final for that decision -----------------------------------------------------
+
+
+def sample(rig: Rig, family: str, **labels: str) -> float:
+    """One sample of the controller's metrics, as a scrape would read it."""
+    from plugin.controller.metrics import ControllerCollector
+
+    class Watcher:
+        failures = lists = events = 0
+
+    class Elector:
+        failures = 0
+
+        def is_leader(self) -> bool:
+            return True
+
+    for f in ControllerCollector(rig.rec, Watcher(), Elector()).collect():  # type: ignore[arg-type]
+        if f.name == family:
+            return next(s.value for s in f.samples if s.labels == labels)
+    raise AssertionError(f"no {family}")
+
+
+def flapping(rig: Rig, name: str, until: float, every: float = 5.0) -> None:
+    """Another node that fails and recovers again and again: its writes succeed all along."""
+    state = "Healthy"
+    while rig.clock.now < until:
+        state = "Unhealthy" if state == "Healthy" else "Healthy"
+        rig.agent(name, {0: state}, since=rig.clock.now)
+        rig.run_until(rig.clock.now + every)
+
+
+def test_a_node_whose_patch_keeps_failing_backs_off_on_its_own() -> None:
+    rig = Rig([gpu_node("a", {1: "Unhealthy"}), gpu_node("b"), *(gpu_node(f"ok{i}") for i in range(8))],
+              max_quarantined_fraction=1.0, recovery_hold_s=0)
+    rig.api.refuse_patches["a"] = ApiFailure(503, "the webhook is not reachable")
+    flapping(rig, "b", T0 + 600)
+    tries = rig.api.calls.count("patch node a")
+    assert rig.api.writes().count("patch node b") >= 100  # b's writes went through all along
+    assert 8 <= tries <= 20  # 1 s doubling to a minute: about 16 in ten minutes, not one a second
+
+
+def test_a_refused_patch_is_not_retried_until_the_node_changes_or_a_resync() -> None:
+    rig = Rig([gpu_node("a", {1: "Unhealthy"}), gpu_node("b"), *(gpu_node(f"ok{i}") for i in range(8))],
+              max_quarantined_fraction=1.0, recovery_hold_s=0)
+    rig.api.refuse_patches["a"] = ApiFailure(403, 'admission webhook "deny.example.com" denied the request')
+    flapping(rig, "b", T0 + 600)
+    assert rig.api.calls.count("patch node a") == 1
+    assert rig.rec.stats.refused_writes == {"quarantine": 1}
+    assert sample(rig, "gpu_health_controller_refused_writes", action="quarantine") == 1
+    [ev] = rig.events("GPUNodeWriteRefused")
+    assert ev["involvedObject"]["name"] == "a" and ev["type"] == "Warning"
+    assert "HTTP 403" in ev["message"] and "deny.example.com" in ev["message"]
+    # A heartbeat is no change of the decision's inputs: still not retried.
+    rig.rec.upsert(rig.api.heartbeat("a", rig.clock.now))
+    rig.run_until(rig.clock.now + 60)
+    assert rig.api.calls.count("patch node a") == 1
+    # A change of the node is a new decision: one more try (refused again: one more Event).
+    rig.agent("a", {1: "Unhealthy", 2: "Unhealthy"}, since=rig.clock.now)
+    rig.run_until(rig.clock.now + 60)
+    assert rig.api.calls.count("patch node a") == 2 and len(rig.events("GPUNodeWriteRefused")) == 2
+    # So is a resync's LIST; and once the webhook lets it through, it is quarantined.
+    del rig.api.refuse_patches["a"]
+    rig.rec.replace(rig.api.list_nodes("")[0])
+    rig.run_until(rig.clock.now + 1)
+    assert "a" in rig.quarantined()
