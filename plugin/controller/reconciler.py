@@ -48,6 +48,10 @@ def permanent(status: int | None) -> bool:
     return status is not None and 400 <= status < 500 and status not in (404, 408, 409, 429)
 
 
+class NotLeading(Exception):
+    """The Lease was lost (or its renewal is overdue) just before a write: the write is not made."""
+
+
 class Refused(Exception):
     """A write the API server refused for good (see :func:`permanent`)."""
 
@@ -324,6 +328,9 @@ class Reconciler:
                 e = self.entries.get(name)
                 if e is not None:
                     e.backoff.reset()
+            except NotLeading:
+                log.info("reconcile %s: no longer the leader; stopping before the next write", name)
+                break
             except Refused as exc:
                 self._refused(name, exc, now)
             except ApiFailure as exc:
@@ -504,7 +511,14 @@ class Reconciler:
                     f"released: fit for {held:.0f} min (recovery hold {self.s.recovery_hold_s:.0f}s); was "
                     f"quarantined for {reason}", now)
 
+    def _must_lead(self) -> None:
+        """Asked right before each write: a Lease lost since the last question (a renewal overdue while an earlier
+        request was in flight) stops the writes here, not at the next Node."""
+        if not self.leader.is_leader():
+            raise NotLeading()
+
     def _write(self, e: Entry, action: str, patch: dict[str, Any]) -> None:
+        self._must_lead()
         try:
             node = self.api.patch_node(e.facts.name, patch)
         except ApiFailure as exc:
@@ -540,6 +554,7 @@ class Reconciler:
                     wait = self._token_wait(now)  # the rate is what holds it back: look again with the next token
                 break
             meta = pod.get("metadata") or {}
+            self._must_lead()
             try:
                 self.api.evict_pod(str(meta.get("namespace")), str(meta.get("name")), str(meta.get("uid") or ""))
                 self.stats.count(self.stats.actions, "evict")
@@ -617,6 +632,10 @@ class Reconciler:
             self._post(self.s.namespace, body)
 
     def _post(self, namespace: str, body: dict[str, Any]) -> None:
+        if not self.leader.is_leader():
+            # Only the leader speaks for the controller; the Node's record says what was done.
+            log.info("event %s not posted: no longer the leader", body.get("reason"))
+            return
         try:
             self.api.create_event(namespace, body)
             self.stats.events_posted += 1

@@ -110,6 +110,12 @@ class FakeControllerApi:
         self.failures: dict[str, list[ApiFailure]] = {}  # call name -> failures to raise, first first
         self.down = False  # every call fails as when the API server cannot be reached
         self.before_patch: Callable[[str], None] | None = None  # runs before a Node patch is applied (a racer)
+        # Whether the replica making the requests leads, asked at each write (a Node patch, an eviction, an Event):
+        # a write made while it says no is recorded in unled_writes. on_call runs after each request is recorded
+        # (what happens on the server, or to the Lease, while that request is in flight).
+        self.leading: Callable[[], bool] | None = None
+        self.unled_writes: list[str] = []
+        self.on_call: Callable[[str], None] | None = None
         # Node name -> the failure every patch of that Node gets (a webhook that always says no, a 503 that lasts)
         self.refuse_patches: dict[str, ApiFailure] = {}
         self.clock: Callable[[], float] = lambda: 0.0
@@ -167,6 +173,10 @@ class FakeControllerApi:
 
     def _enter(self, call: str, detail: str) -> None:
         self.calls.append(f"{call} {detail}")
+        if call in ("patch node", "evict pod", "create event") and self.leading is not None and not self.leading():
+            self.unled_writes.append(f"{call} {detail}")
+        if self.on_call is not None:
+            self.on_call(f"{call} {detail}")
         if self.down:
             raise ApiFailure(None, "ConnectionRefusedError: [Errno 111] Connection refused")
         queued = self.failures.get(call)

@@ -491,12 +491,15 @@ def test_losing_the_lease_mid_batch_stops_writing_at_once() -> None:
     api = FakeControllerApi()
     for i in range(4):
         api.add_node(gpu_node(f"n{i}", {0: "Unhealthy"}))
-    rec = Reconciler(api, Settings(keys=KEYS, rules=Rules(), max_quarantined_fraction=1.0), Expiring(3),
+    rec = Reconciler(api, Settings(keys=KEYS, rules=Rules(), max_quarantined_fraction=1.0), Expiring(7),
                      clock=clock)
     rec.replace(api.list_nodes("")[0])
     rec.leadership_changed(True)
-    rec.step(clock.now)  # one question before the batch, then one before each Node
+    # One question before the batch, then one before each Node, and one right before each write (patch, Event).
+    rec.step(clock.now)
     assert api.writes() == ["patch node n0", "patch node n1"]
+    assert api.calls[1:] == ["patch node n0", "create event GPUNodeQuarantined",  # after the LIST
+                             "patch node n1", "create event GPUNodeQuarantined"]
 
 
 def test_a_new_leader_looks_at_every_node_once() -> None:

@@ -237,3 +237,37 @@ def test_a_refused_patch_is_not_retried_until_the_node_changes_or_a_resync() -> 
     rig.rec.replace(rig.api.list_nodes("")[0])
     rig.run_until(rig.clock.now + 1)
     assert "a" in rig.quarantined()
+
+
+# 7. The leader asks whether it still leads right before each write ---------------------------------------------
+
+
+def losing_the_lease_during(rig: Rig, call: str) -> None:
+    rig.api.leading = rig.lead.is_leader
+
+    def lease_lost(made: str) -> None:
+        if made == call:
+            rig.lead.leader = False
+
+    rig.api.on_call = lease_lost
+
+
+def test_no_event_or_next_patch_after_the_lease_is_lost_during_a_patch() -> None:
+    rig = Rig([gpu_node(f"n{i}", {0: "Unhealthy"}) for i in range(4)], max_quarantined_fraction=1.0)
+    losing_the_lease_during(rig, "patch node n0")
+    rig.step()
+    assert rig.api.calls == ["patch node n0"]
+    assert rig.api.unled_writes == []
+
+
+def test_no_eviction_after_the_lease_is_lost_while_listing_pods() -> None:
+    from tests.unit.test_controller_reconciler import pod
+
+    rig = Rig([gpu_node("n", {1: "Unhealthy"}), *(gpu_node(f"ok{i}") for i in range(9))], drain=True,
+              drain_per_minute=600)
+    rig.api.pods["n"] = [pod(f"p{i}") for i in range(3)]
+    rig.step()  # quarantined; the drain is due at once
+    losing_the_lease_during(rig, "list pods n")
+    rig.step()
+    assert rig.api.calls[-1] == "list pods n"
+    assert rig.api.unled_writes == [] and rig.api.evictions == []
