@@ -26,6 +26,8 @@ OWN_TAINT = "taint"
 OWN_NO_EXECUTE = "noexecute"
 OWN_CORDON = "cordon"
 OWN_LABEL = "label"
+# Not a thing to take back: someone took our NoExecute taint off, and it is not put back during this quarantine.
+NO_EXECUTE_REMOVED = "noexecute-removed"
 
 _DEVICE_KEY = re.compile(r"(gpu\.\d+(\.mig\.\d+\.\d+)?|dev\.[0-9a-f]{16})")
 _SUMMARY_TOTAL = re.compile(r": (\d+) devices? \(")

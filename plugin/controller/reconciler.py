@@ -25,7 +25,15 @@ from plugin.backoff import Backoff
 from plugin.controller import patches
 from plugin.controller.api import ControllerApi
 from plugin.controller.breaker import Breaker, BreakerState
-from plugin.controller.nodes import CONTROLLER, OWN_NO_EXECUTE, Keys, NodeFacts, Quarantine, facts_of
+from plugin.controller.nodes import (
+    CONTROLLER,
+    NO_EXECUTE_REMOVED,
+    OWN_NO_EXECUTE,
+    Keys,
+    NodeFacts,
+    Quarantine,
+    facts_of,
+)
 from plugin.controller.policy import Assessment, Rules, assess
 from plugin.outlets.kubeapi import ApiFailure
 from plugin.outlets.kubecommon import Involved, event_body, rfc3339
@@ -103,6 +111,9 @@ class Entry:
     # A write refused for good: the decision's inputs and the LIST generation it was refused at. Not retried until
     # either moves (the Node changed, or a resync listed it again).
     refusal: tuple[object, ...] | None = None
+    # What our record says we added that someone took off since (seen event by event, so a removal and a re-add
+    # between two decisions is still seen); struck from the record at the next decision.
+    disowned: set[str] = field(default_factory=set)
     watched: bool = True  # the watch (or the last LIST) shows it; False: ours, kept and read again by name
     read_at: float | None = None  # when an out-of-sight Node was last read by name
 
@@ -203,9 +214,14 @@ class Reconciler:
             return f.name if force else ""
         a = assess(f, self.s.rules)
         if old is None:
-            self.entries[f.name] = Entry(f, a, watched=watched)
+            e = self.entries[f.name] = Entry(f, a, watched=watched)
         else:
-            old.facts, old.assessment = f, a
+            e = old
+            e.facts, e.assessment = f, a
+        if f.quarantine is None:
+            e.disowned.clear()
+        else:
+            e.disowned = (e.disowned | patches.missing(f, self.s.keys)) & f.quarantine.owns
         self._count(f.name)
         if f.name not in self.entries:
             return ""
@@ -443,9 +459,17 @@ class Reconciler:
                 self._event(f, "GPUQuarantineBlocked", "Warning", f"not quarantined ({a.reason}: {a.message}): the "
                             f"circuit breaker is open: {self.breaker.state.reason}", now)
             return
+        if e.disowned and e.dry is None:
+            gone = frozenset(e.disowned)
+            log.info("%s: %s taken off by someone else during the quarantine: no longer ours to take back", name,
+                     ", ".join(sorted(gone)))
+            self._write(e, "disown", patches.disown(f, self.s.keys, gone))
+            self._decide(name, now)  # on the record as it is now
+            return
         if a.reason is not None:
             e.fit_seen = None
-            if self.s.no_execute_after_s > 0 and OWN_NO_EXECUTE not in q.owns and e.dry is None:
+            if (self.s.no_execute_after_s > 0 and not q.owns & {OWN_NO_EXECUTE, NO_EXECUTE_REMOVED}
+                    and e.dry is None):
                 due = (q.at or now) + self.s.no_execute_after_s
                 if now >= due:
                     self._write(e, "noexecute", patches.no_execute(f, self.s.keys, reason=q.reason, now=rfc3339(now)))
@@ -505,7 +529,7 @@ class Reconciler:
             return
         assert f.quarantine is not None
         reason = f.quarantine.reason
-        self._write(e, "release", patches.release(f, self.s.keys))
+        self._write(e, "release", patches.release(f, self.s.keys, frozenset(e.disowned)))
         log.info("released %s (quarantined for %s, fit for %.0f min)", f.name, reason, held)
         self._event(f, "GPUNodeReleased", "Normal",
                     f"released: fit for {held:.0f} min (recovery hold {self.s.recovery_hold_s:.0f}s); was "

@@ -271,3 +271,29 @@ def test_no_eviction_after_the_lease_is_lost_while_listing_pods() -> None:
     rig.step()
     assert rig.api.calls[-1] == "list pods n"
     assert rig.api.unled_writes == [] and rig.api.evictions == []
+
+
+def test_what_an_operator_took_off_and_put_back_is_theirs_even_for_the_next_leader() -> None:
+    rig = Rig([gpu_node("n", {1: "Unhealthy"}), *(gpu_node(f"ok{i}") for i in range(9))], cordon=True,
+              label="gpu-health.io/quarantined=true", recovery_hold_s=60, no_execute_after_s=30)
+    rig.step()
+    # The operator uncordons and takes our label off, then puts both back (a maintenance of theirs), in two
+    # writes the controller sees one by one before it decides again.
+    rig.api.edit("n", {"spec": {"unschedulable": False}, "metadata": {"labels": {"gpu-health.io/quarantined": None}}})
+    rig.watch("n")
+    rig.api.edit("n", {"spec": {"unschedulable": True}, "metadata": {"labels": {"gpu-health.io/quarantined": "true"}}})
+    rig.watch("n")
+    rig.run_until(T0 + 40)  # the NoExecute taint goes on; then the operator takes it off
+    rig.api.edit("n", {"spec": {"taints": [t for t in rig.taints("n") if t["effect"] != "NoExecute"]}})
+    rig.watch("n")
+    rig.run_until(T0 + 80)
+    assert [t["effect"] for t in rig.taints("n")] == ["NoSchedule"]  # not put back
+    # A new leader (fresh process) releases it, from the record alone.
+    rig.rec = Reconciler(rig.api, rig.settings, rig.lead, clock=rig.clock)
+    rig.rec.replace(rig.api.list_nodes("")[0])
+    rig.rec.leadership_changed(True)
+    rig.agent("n", {1: "Healthy"}, since=rig.clock.now)
+    rig.run_until(T0 + 300)
+    doc = rig.node("n")
+    assert rig.quarantined() == [] and rig.taints("n") == []
+    assert doc["spec"]["unschedulable"] is True and doc["metadata"]["labels"] == {"gpu-health.io/quarantined": "true"}
