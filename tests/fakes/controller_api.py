@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from plugin.controller.config import parse_selector, selector_matches
 from plugin.outlets.kubeapi import ApiFailure
 
 P = "gpu-health.io"
@@ -124,6 +125,7 @@ class FakeControllerApi:
         self.streams: list[list[StreamItem]] = []
         self.watch_calls: list[tuple[str, str, int]] = []
         self.list_calls: list[str] = []
+        self.filter_lists = False  # True: a LIST returns only the Nodes its label selector matches, as the server does
         self.idle = threading.Event()  # set when a watch found no scripted stream left and waits for close()
         self._closed = threading.Event()
 
@@ -188,8 +190,10 @@ class FakeControllerApi:
     def list_nodes(self, selector: str) -> tuple[list[dict[str, Any]], str]:
         self._enter("list nodes", "")
         self.list_calls.append(selector)
+        wanted = parse_selector(selector) if self.filter_lists else ()
         with self._lock:
-            return [copy.deepcopy(n) for n in self.nodes.values()], str(self.rv)
+            return [copy.deepcopy(n) for n in self.nodes.values()
+                    if selector_matches(wanted, n["metadata"].get("labels") or {})], str(self.rv)
 
     def watch_nodes(self, selector: str, resource_version: str, timeout_s: int) -> Iterator[dict[str, Any]]:
         self._enter("watch nodes", resource_version)
