@@ -1,4 +1,5 @@
-"""The circuit breaker: never more than a fraction of the GPU nodes out of service by our hand.
+"""The circuit breaker: never more than a fraction of the GPU nodes, nor more than a set number of nodes, out of
+service by our hand.
 
 One bad driver roll-out or a broken monitoring stack makes many nodes look failed at once; quarantining them all
 would take the fleet down. So quarantines proceed only while the controller's own quarantined count is under
@@ -21,12 +22,18 @@ OPEN = "open"
 CLOSED = "closed"
 
 
-def limit_for(max_fraction: float, gpu_nodes: int) -> int:
-    """How many GPU nodes may be quarantined: the fraction rounded down, but one at least, so that a small cluster
-    can quarantine its one bad node."""
+def fraction_limit(max_fraction: float, gpu_nodes: int) -> int:
+    """The fraction rounded down, but one at least, so that a small cluster can quarantine its one bad node."""
     if gpu_nodes <= 0:
         return 0
     return max(1, math.floor(max_fraction * gpu_nodes + 1e-9))
+
+
+def limit_for(max_fraction: float, gpu_nodes: int, max_nodes: int = 0) -> int:
+    """How many GPU nodes may be quarantined: the fraction's limit, or the absolute cap when that is smaller
+    (``max_nodes`` 0: no cap)."""
+    limit = fraction_limit(max_fraction, gpu_nodes)
+    return min(limit, max_nodes) if max_nodes > 0 else limit
 
 
 @dataclass(frozen=True)
@@ -39,11 +46,12 @@ class BreakerState:
     blocked: int = 0
     reason: str = ""
     reset_seen: str = ""  # the last operator reset value acted on
+    max_nodes: int = 0  # the absolute cap in force (--max-quarantined-nodes), 0: none
 
     def to_json(self) -> str:
         doc = {"state": self.state, "since": self.since, "limit": self.limit, "gpuNodes": self.gpu_nodes,
                "quarantined": self.quarantined, "blocked": self.blocked, "reason": self.reason,
-               "resetSeen": self.reset_seen}
+               "resetSeen": self.reset_seen, "maxNodes": self.max_nodes}
         return json.dumps(doc, separators=(",", ":"))
 
     @classmethod
@@ -64,13 +72,16 @@ class BreakerState:
 
         return cls(state=str(state), since=str(doc.get("since") or ""), limit=num("limit"),
                    gpu_nodes=num("gpuNodes"), quarantined=num("quarantined"), blocked=num("blocked"),
-                   reason=str(doc.get("reason") or ""), reset_seen=str(doc.get("resetSeen") or ""))
+                   reason=str(doc.get("reason") or ""), reset_seen=str(doc.get("resetSeen") or ""),
+                   max_nodes=num("maxNodes"))
 
 
 class Breaker:
-    def __init__(self, max_fraction: float, state: BreakerState | None = None) -> None:
+    def __init__(self, max_fraction: float, state: BreakerState | None = None, max_nodes: int = 0) -> None:
         self.max_fraction = max_fraction
-        self.state = state or BreakerState()
+        self.max_nodes = max_nodes
+        # The cap in force is this process's setting, whatever an earlier leader recorded.
+        self.state = replace(state or BreakerState(), max_nodes=max_nodes)
         self.trips = 0
 
     @property
@@ -78,7 +89,15 @@ class Breaker:
         return self.state.state == OPEN
 
     def limit(self, gpu_nodes: int) -> int:
-        return limit_for(self.max_fraction, gpu_nodes)
+        return limit_for(self.max_fraction, gpu_nodes, self.max_nodes)
+
+    def _limit_text(self, gpu_nodes: int) -> str:
+        """Which setting makes the limit: the operator must know which one to raise."""
+        by_fraction = fraction_limit(self.max_fraction, gpu_nodes)
+        if 0 < self.max_nodes < by_fraction:
+            return (f"--max-quarantined-nodes {self.max_nodes}; --max-quarantined-fraction {self.max_fraction:.0%} "
+                    f"would allow {by_fraction}")
+        return f"{self.max_fraction:.0%}, --max-quarantined-fraction"
 
     def allows(self, quarantined: int, gpu_nodes: int) -> bool:
         return not self.is_open and quarantined < self.limit(gpu_nodes)
@@ -88,7 +107,7 @@ class Breaker:
         was_open = self.is_open
         limit = self.limit(gpu_nodes)
         reason = (f"{quarantined + candidates} GPU nodes call for quarantine, {quarantined} already are; the limit "
-                  f"is {limit} of {gpu_nodes} ({self.max_fraction:.0%}, --max-quarantined-fraction)")
+                  f"is {limit} of {gpu_nodes} ({self._limit_text(gpu_nodes)})")
         self.state = replace(self.state, state=OPEN, since=self.state.since if was_open else now, limit=limit,
                              gpu_nodes=gpu_nodes, quarantined=quarantined, blocked=candidates, reason=reason)
         if not was_open:

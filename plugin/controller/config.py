@@ -211,6 +211,16 @@ def _metrics_address(v: Any) -> str:
     return "off" if v is False else _string(_listen_address)(v)
 
 
+def _annotation_prefix(s: str) -> str:
+    check_prefix(s)
+    # The controller keeps its own record under controller.<prefix>/, where the node agent cannot write: that too
+    # must be a DNS subdomain.
+    own = f"controller.{s}"
+    if not is_dns_subdomain(own):
+        raise ValueError(f"too long: the controller's own prefix {own!r} must be at most 253 chars, got {s!r}")
+    return s
+
+
 def _label(s: str) -> str:
     if not s:
         return ""
@@ -385,8 +395,9 @@ class ControllerConfig:
         "--lease-name", "leaseName", _string(_object_name), "name of the leader-election Lease (it also keeps the "
         "breaker's state)", "NAME"))
     annotation_prefix: str = field(default="gpu-health.io", metadata=_opt(
-        "--annotation-prefix", "annotationPrefix", _string(check_prefix), "DNS subdomain of the node agent's "
-        "annotations and of the controller's taint, annotations and label", "DOMAIN"))
+        "--annotation-prefix", "annotationPrefix", _string(_annotation_prefix), "DNS subdomain of the node agent's "
+        "annotations and of the controller's taint; the controller's own record of a quarantine is under "
+        "controller.<prefix>/", "DOMAIN"))
     node_selector: str = field(default="", metadata=_opt(
         "--node-selector", "nodeSelector", _string(_selector), "label selector of the nodes to manage (key=value, "
         "key!=value, key, !key, key in (a,b), key notin (a,b), comma-separated); empty: every node with a "
@@ -401,8 +412,8 @@ class ControllerConfig:
     dry_run: bool = field(default=False, metadata=_opt(
         "--dry-run", "dryRun", parse_bool, "decide, log and post Events saying what would be done; change no node"))
     reset_breaker: bool = field(default=False, metadata=_opt(
-        "--reset-breaker", "", parse_bool, "close the circuit breaker at start (like the Lease's breaker-reset "
-        "annotation)"))
+        "--reset-breaker", "", parse_bool, "close the circuit breaker once, when this process first leads (like "
+        "the Lease's breaker-reset annotation); not again on a later leadership"))
     resync_interval_s: float = field(default=3600.0, metadata=_opt(
         "--resync-interval", "resyncInterval", _Duration(positive=True), "time between full re-lists of the "
         "nodes; between them only the watch is read", "DURATION"))
@@ -440,6 +451,10 @@ class ControllerConfig:
         "--max-quarantined-fraction", "breaker.maxQuarantinedFraction", _open_fraction, "most of the GPU nodes "
         "(above 0, at most 1) the controller keeps quarantined; at least one node when there is one; a quarantine "
         "beyond it opens the circuit breaker", "FRACTION"))
+    max_quarantined_nodes: int = field(default=0, metadata=_opt(
+        "--max-quarantined-nodes", "breaker.maxQuarantinedNodes", _count, "most GPU nodes the controller keeps "
+        "quarantined, whatever the fleet's size; the smaller of this and the fraction's limit wins; 0: no "
+        "absolute cap", "N"))
     lease_duration_s: float = field(default=15.0, metadata=_opt(
         "--lease-duration", "leaderElection.leaseDuration", _Duration(positive=True), "how long standbys wait "
         "after the last renewal before taking the Lease over", "DURATION"))

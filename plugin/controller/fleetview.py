@@ -97,6 +97,12 @@ def is_gpu_node(node: Mapping[str, Any], prefix: str = DEFAULT_PREFIX) -> bool:
     return Keys(prefix).state in _annotations(node) or gpu_count(_status_section(node, "capacity")) > 0
 
 
+def counted(node: Mapping[str, Any], prefix: str = DEFAULT_PREFIX) -> bool:
+    """In the breaker's denominator as the controller counts it: a GPU node, or a node it holds quarantined (that
+    counts until released, whatever it looks like now)."""
+    return is_gpu_node(node, prefix) or _annotations(node).get(Keys(prefix).by) == CONTROLLER
+
+
 def capacity_gap(node: Mapping[str, Any]) -> int:
     """GPUs the kubelet reports in capacity but not in allocatable: what the stock device plugin's health shows."""
     return max(0, gpu_count(_status_section(node, "capacity")) - gpu_count(_status_section(node, "allocatable")))
@@ -242,7 +248,7 @@ def fleet(nodes: Sequence[Mapping[str, Any]], lease: Mapping[str, Any] | None, *
     """Everything the view shows, from the items of ``kubectl get nodes -o json`` and the Lease object (or None)."""
     all_rows = rows(nodes, prefix, include_candidates)
     return Fleet(
-        gpu_nodes=sum(1 for n in nodes if is_gpu_node(n, prefix)),
+        gpu_nodes=sum(1 for n in nodes if counted(n, prefix)),
         quarantined=sum(1 for r in all_rows if r.status is Status.QUARANTINED),
         rows=tuple(all_rows),
         breaker=breaker_of(lease, namespace, lease_name, prefix, lease_unavailable),

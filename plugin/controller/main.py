@@ -32,7 +32,8 @@ def settings_of(cfg: ControllerConfig) -> Settings:
                     reboot_required=cfg.reboot_required, capacity_gap=cfg.capacity_gap),
         recovery_hold_s=cfg.recovery_hold_s, no_execute_after_s=cfg.no_execute_after_s, cordon=cfg.cordon,
         label=cfg.quarantine_label, drain=cfg.drain, drain_per_minute=cfg.drain_per_minute,
-        max_quarantined_fraction=cfg.max_quarantined_fraction, dry_run=cfg.dry_run, reset_breaker=cfg.reset_breaker,
+        max_quarantined_fraction=cfg.max_quarantined_fraction, max_quarantined_nodes=cfg.max_quarantined_nodes,
+        dry_run=cfg.dry_run, reset_breaker=cfg.reset_breaker,
         namespace=cfg.namespace, lease_name=cfg.lease_name, identity=cfg.identity)
 
 
@@ -76,9 +77,10 @@ class Controller:
         self.reconciler.start()
         self.leader.start()
         mode = " (dry run: Events only)" if self.cfg.dry_run else ""
-        log.info("gpu-health-controller %s started%s: lease %s/%s, selector %r, breaker limit %.0f%%",
+        cap = f", at most {self.cfg.max_quarantined_nodes} nodes" if self.cfg.max_quarantined_nodes else ""
+        log.info("gpu-health-controller %s started%s: lease %s/%s, selector %r, breaker limit %.0f%%%s",
                  self.cfg.identity, mode, self.cfg.namespace, self.cfg.lease_name, self.cfg.node_selector,
-                 self.cfg.max_quarantined_fraction * 100)
+                 self.cfg.max_quarantined_fraction * 100, cap)
         log.info("effective config: %s", json.dumps(self.cfg.effective(), sort_keys=True))
 
     def stop(self) -> None:

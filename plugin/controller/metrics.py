@@ -30,7 +30,10 @@ class ControllerCollector:
         yield q
         yield GaugeFamily(P + "candidate_nodes", "GPU nodes a rule fires for that are not quarantined (the breaker "
                           "holds them back, or a write is pending)", c["candidates"])
-        yield GaugeFamily(P + "quarantine_limit", "the most GPU nodes the breaker lets be quarantined", c["limit"])
+        yield GaugeFamily(P + "quarantine_limit", "the most GPU nodes the breaker lets be quarantined now: the "
+                          "smaller of the fraction's limit and the absolute cap", c["limit"])
+        yield GaugeFamily(P + "quarantine_max_nodes", "the absolute cap on quarantined nodes "
+                          "(--max-quarantined-nodes), 0 when there is none", self.r.breaker.max_nodes)
         yield GaugeFamily(P + "breaker_open", "1 while the circuit breaker stops quarantines",
                           1 if self.r.breaker.is_open else 0)
         yield CounterFamily(P + "breaker_trips", "times the circuit breaker opened in this process",
@@ -45,6 +48,12 @@ class ControllerCollector:
                                "lease": self.le.failures}.items()):
             failures.add_metric([call], n)
         yield failures
+        refused = CounterFamily(P + "refused_writes", "Node writes the API server refused for good (403, 422, ...), "
+                                "by action: not retried until the node changes or the next resync",
+                                labels=["action"])
+        for action, n in sorted(self.r.stats.refused_writes.items()):
+            refused.add_metric([action], n)
+        yield refused
         yield CounterFamily(P + "conflicts", "writes refused with 409 (the Node moved on; read and decided again)",
                             self.r.stats.conflicts)
         yield CounterFamily(P + "evictions_blocked", "evictions a PodDisruptionBudget refused (retried later)",

@@ -18,7 +18,7 @@ from plugin.health.reasons import Action, State
 
 GPU_RESOURCE = "nvidia.com/gpu"  # and every resource named after it: nvidia.com/gpu.shared, nvidia.com/mig-1g.10gb
 MIG_RESOURCE = "nvidia.com/mig-"
-CONTROLLER = "gpu-health-controller"  # our field manager, Event source, and the value of quarantined-by
+CONTROLLER = "gpu-health-controller"  # our Event source, and the value of quarantined-by
 
 # What the controller can have added to a Node, as listed in its quarantine-owns annotation. Release removes these
 # and nothing else.
@@ -26,16 +26,33 @@ OWN_TAINT = "taint"
 OWN_NO_EXECUTE = "noexecute"
 OWN_CORDON = "cordon"
 OWN_LABEL = "label"
+# Not a thing to take back: someone took our NoExecute taint off, and it is not put back during this quarantine.
+NO_EXECUTE_REMOVED = "noexecute-removed"
 
 _DEVICE_KEY = re.compile(r"(gpu\.\d+(\.mig\.\d+\.\d+)?|dev\.[0-9a-f]{16})")
 _SUMMARY_TOTAL = re.compile(r": (\d+) devices? \(")
 
 
+OWNER_SUBDOMAIN = "controller"
+
+
 @dataclass(frozen=True)
 class Keys:
-    """The annotation, taint and label keys under one prefix."""
+    """The annotation, taint and label keys under one prefix.
+
+    The node agent writes under ``<prefix>/``, and the admission policy lets its account change any annotation
+    there; so the controller's own record of a quarantine (what it added, when, why) lives under
+    ``controller.<prefix>/``, which that policy refuses the agent. Only that record is trusted: a
+    ``<prefix>/quarantined-by`` an agent (or an older controller) wrote makes no node ours. The taint keeps its
+    key, ``<prefix>/quarantine``: the agent cannot change a Node's spec at all.
+    """
 
     prefix: str
+
+    @property
+    def owner(self) -> str:
+        """The prefix of the controller's own record."""
+        return f"{OWNER_SUBDOMAIN}.{self.prefix}"
 
     @property
     def state(self) -> str:
@@ -51,27 +68,33 @@ class Keys:
 
     @property
     def by(self) -> str:
-        return f"{self.prefix}/quarantined-by"
+        return f"{self.owner}/quarantined-by"
 
     @property
     def reason(self) -> str:
-        return f"{self.prefix}/quarantine-reason"
+        return f"{self.owner}/quarantine-reason"
 
     @property
     def message(self) -> str:
-        return f"{self.prefix}/quarantine-message"
+        return f"{self.owner}/quarantine-message"
 
     @property
     def at(self) -> str:
-        return f"{self.prefix}/quarantined-at"
+        return f"{self.owner}/quarantined-at"
 
     @property
     def owns(self) -> str:
-        return f"{self.prefix}/quarantine-owns"
+        return f"{self.owner}/quarantine-owns"
 
     @property
     def drained(self) -> str:
-        return f"{self.prefix}/quarantine-drained"
+        return f"{self.owner}/quarantine-drained"
+
+    @property
+    def label(self) -> str:
+        """The label (key=value) the quarantine added, as it added it: release removes that one, whatever
+        --quarantine-label says by then."""
+        return f"{self.owner}/quarantine-label"
 
     @property
     def breaker(self) -> str:
@@ -82,8 +105,8 @@ class Keys:
         return f"{self.prefix}/breaker-reset"
 
     def ours(self) -> tuple[str, ...]:
-        """The Node annotations a quarantine writes, and its release removes."""
-        return (self.by, self.reason, self.message, self.at, self.owns, self.drained)
+        """The Node annotations a quarantine writes, and its release removes (all under :attr:`owner`)."""
+        return (self.by, self.reason, self.message, self.at, self.owns, self.drained, self.label)
 
 
 @dataclass(frozen=True)
@@ -104,6 +127,7 @@ class Quarantine:
     at: float | None
     owns: frozenset[str]
     drained: bool
+    label: str = ""  # key=value of the label it added ("" when it added none)
 
 
 @dataclass(frozen=True)
@@ -120,7 +144,7 @@ class NodeFacts:
     taints: tuple[Mapping[str, Any], ...]
     unschedulable: bool
     labels: Mapping[str, str]
-    quarantine: Quarantine | None  # ours, when quarantined-by names this controller
+    quarantine: Quarantine | None  # ours, when our own-prefix quarantined-by names this controller
     foreign_taint: bool  # our taint key present without our annotations (an operator's, or a lost record)
 
     @property
@@ -199,7 +223,8 @@ def facts_of(node: Mapping[str, Any], keys: Keys) -> NodeFacts:
     if annotations.get(keys.by) == CONTROLLER:
         owns = frozenset(x.strip() for x in annotations.get(keys.owns, "").split(",") if x.strip())
         quarantine = Quarantine(reason=annotations.get(keys.reason, ""), at=parse_time(annotations.get(keys.at)),
-                                owns=owns, drained=bool(annotations.get(keys.drained)))
+                                owns=owns, drained=bool(annotations.get(keys.drained)),
+                                label=annotations.get(keys.label, ""))
     has_taint = any(t.get("key") == keys.taint for t in taints)
     return NodeFacts(
         name=str(meta.get("name") or ""), uid=str(meta.get("uid") or ""),

@@ -13,6 +13,7 @@ from typing import Any
 
 from plugin.controller.nodes import (
     CONTROLLER,
+    NO_EXECUTE_REMOVED,
     OWN_CORDON,
     OWN_LABEL,
     OWN_NO_EXECUTE,
@@ -46,13 +47,15 @@ def quarantine(f: NodeFacts, keys: Keys, *, reason: str, message: str, now: str,
         spec["unschedulable"] = True
         owns.append(OWN_CORDON)
     meta: dict[str, Any] = {"resourceVersion": f.resource_version}
+    annotations = {keys.by: CONTROLLER, keys.reason: reason, keys.message: message, keys.at: now}
     if label:
         key, value = split_label(label)
         if key not in f.labels:  # an operator's label of that key stays theirs
             meta["labels"] = {key: value}
             owns.append(OWN_LABEL)
-    meta["annotations"] = {keys.by: CONTROLLER, keys.reason: reason, keys.message: message, keys.at: now,
-                           keys.owns: ",".join(owns)}
+            annotations[keys.label] = label
+    annotations[keys.owns] = ",".join(owns)
+    meta["annotations"] = annotations
     return {"metadata": meta, "spec": spec}
 
 
@@ -74,21 +77,63 @@ def drained(f: NodeFacts, keys: Keys, *, now: str) -> dict[str, Any]:
     return {"metadata": {"resourceVersion": f.resource_version, "annotations": {keys.drained: now}}}
 
 
-def release(f: NodeFacts, keys: Keys, *, label: str) -> dict[str, Any]:
-    """Undo our quarantine: our taints, our cordon, our label, our annotations; nothing an operator set."""
+def missing(f: NodeFacts, keys: Keys) -> frozenset[str]:
+    """What the record says we added that the Node no longer has: someone (an operator) took it off. It is theirs
+    from then on: should they put the same thing back, release must leave it."""
+    q = f.quarantine
+    if q is None:
+        return frozenset()
+    gone = set()
+    if OWN_TAINT in q.owns and not _has_taint(f, keys.taint, NO_SCHEDULE):
+        gone.add(OWN_TAINT)
+    if OWN_NO_EXECUTE in q.owns and not _has_taint(f, keys.taint, NO_EXECUTE):
+        gone.add(OWN_NO_EXECUTE)
+    if OWN_CORDON in q.owns and not f.unschedulable:
+        gone.add(OWN_CORDON)
+    if OWN_LABEL in q.owns:
+        key, value = split_label(q.label)
+        if not q.label or f.labels.get(key) != value:
+            gone.add(OWN_LABEL)
+    return frozenset(gone)
+
+
+def disown(f: NodeFacts, keys: Keys, items: frozenset[str]) -> dict[str, Any]:
+    """Strike from the record what an operator took off, so that no later release (by this leader or the next)
+    takes back what they may put there again."""
     q = f.quarantine
     assert q is not None
+    kept = q.owns - items
+    if OWN_NO_EXECUTE in items:
+        kept |= {NO_EXECUTE_REMOVED}  # the grace is over; putting it back would undo their removal
+    annotations: dict[str, Any] = {keys.owns: ",".join(x for x in _ORDER if x in kept)}
+    if OWN_LABEL in items:
+        annotations[keys.label] = None
+    return {"metadata": {"resourceVersion": f.resource_version, "annotations": annotations}}
+
+
+_ORDER = (OWN_TAINT, OWN_CORDON, OWN_LABEL, OWN_NO_EXECUTE, NO_EXECUTE_REMOVED)
+
+
+def release(f: NodeFacts, keys: Keys, disowned: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """Undo our quarantine: our taints, our cordon, our label, our annotations; nothing an operator set. What to
+    take back is what the record says was added (less what an operator took off since, ``disowned``), never today's
+    settings."""
+    q = f.quarantine
+    assert q is not None
+    owns = q.owns - disowned
     drop = set()
-    if OWN_TAINT in q.owns:
+    if OWN_TAINT in owns:
         drop.add(NO_SCHEDULE)
-    if OWN_NO_EXECUTE in q.owns:
+    if OWN_NO_EXECUTE in owns:
         drop.add(NO_EXECUTE)
     taints = [dict(t) for t in f.taints if not (t.get("key") == keys.taint and t.get("effect") in drop)]
     spec: dict[str, Any] = {"taints": taints}
-    if OWN_CORDON in q.owns and f.unschedulable:
+    if OWN_CORDON in owns and f.unschedulable:
         spec["unschedulable"] = False
     meta: dict[str, Any] = {"resourceVersion": f.resource_version,
                             "annotations": dict.fromkeys(keys.ours())}
-    if OWN_LABEL in q.owns and label:
-        meta["labels"] = {split_label(label)[0]: None}
+    if OWN_LABEL in owns and q.label:
+        key, value = split_label(q.label)
+        if f.labels.get(key) == value:  # a value an operator put there since is theirs
+            meta["labels"] = {key: None}
     return {"metadata": meta, "spec": spec}

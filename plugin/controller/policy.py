@@ -1,5 +1,5 @@
-"""The quarantine rules: from one Node's facts, whether it should be out of service, why, and since when it has been
-fit to come back. Pure: no clock, no API; the reconciler supplies both.
+"""The quarantine rules: from one Node's facts, whether it should be out of service, why, and whether it is fit to
+come back. Pure: no clock, no API; the reconciler supplies both (and times the recovery hold itself).
 
 Rules, each naming its reason code (the taint's value):
 
@@ -9,6 +9,9 @@ Rules, each naming its reason code (the taint's value):
 - ``capacity-gap``: for a node without our annotations (the stock device plugin), capacity minus allocatable of
   the ``nvidia.com/gpu*`` resources reaches ``capacity_gap``, the gap the kubelet opens for devices reported
   unhealthy.
+
+A node on which no GPU can be seen (no device entries and no GPU capacity) is never fit: releasing it would be a
+guess.
 """
 
 from __future__ import annotations
@@ -37,37 +40,41 @@ class Rules:
 class Assessment:
     reason: str | None  # the first rule that fires, None when none does
     message: str
-    fit: bool  # fit to be released: no rule fires and no device is Unhealthy or Unknown
-    fit_since: float | None  # when it became fit, when the annotations tell (the latest device ``since``)
+    fit: bool  # fit to be released: no rule fires, no device is Unhealthy or Unknown, and GPUs can be seen
 
 
 def assess(f: NodeFacts, rules: Rules) -> Assessment:
     if f.annotated:
         return _annotated(f, rules)
+    if f.gpu_capacity <= 0:
+        # The device plugin went away (or the node was never a GPU node): a node whose GPUs nobody can see is not
+        # known to be fit, so a quarantine of it holds.
+        return Assessment(None, "no GPUs visible (no nvidia.com/gpu* capacity)", False)
     gap = max(0, f.gpu_capacity - f.gpu_allocatable)
     if rules.capacity_gap and gap >= rules.capacity_gap:
         return Assessment(CAPACITY_GAP, f"{gap} of {f.gpu_capacity} GPUs not allocatable (capacity minus "
-                                        f"allocatable, threshold {rules.capacity_gap})", False, None)
-    return Assessment(None, f"{f.gpu_allocatable} of {f.gpu_capacity} GPUs allocatable", True, None)
+                                        f"allocatable, threshold {rules.capacity_gap})", False)
+    return Assessment(None, f"{f.gpu_allocatable} of {f.gpu_capacity} GPUs allocatable", True)
 
 
 def _annotated(f: NodeFacts, rules: Rules) -> Assessment:
     if rules.reboot_required:
         asking = [d for d in f.devices if d.action == Action.REBOOT_NODE and d.state != State.HEALTHY]
         if asking:
-            return Assessment(REBOOT_REQUIRED, "reboot-node asked for by " + _list(asking), False, None)
+            return Assessment(REBOOT_REQUIRED, "reboot-node asked for by " + _list(asking), False)
     bad = [d for d in f.devices if d.state == State.UNHEALTHY]
     bad_gpus = len({d.gpu for d in bad})
     total = max(f.device_total, bad_gpus)
     fired = (rules.unhealthy_devices and bad_gpus >= rules.unhealthy_devices) or (
         rules.unhealthy_fraction and total and bad_gpus / total >= rules.unhealthy_fraction)
     if bad_gpus and fired:
-        return Assessment(UNHEALTHY_DEVICES, f"{bad_gpus} of {total} GPUs Unhealthy: " + _list(bad), False, None)
-    fit = f.node_state in HEALTHY_STATES and not bad and all(d.state in HEALTHY_STATES for d in f.devices)
-    since = None
-    if fit and f.devices and all(d.since is not None for d in f.devices):
-        since = max(d.since for d in f.devices if d.since is not None)
-    return Assessment(None, f"node state {f.node_state or 'unset'}, {len(bad)} Unhealthy devices", fit, since)
+        return Assessment(UNHEALTHY_DEVICES, f"{bad_gpus} of {total} GPUs Unhealthy: " + _list(bad), False)
+    # Fit needs GPUs to be seen at all: device entries, or a capacity (the agent may have withdrawn every entry).
+    visible = bool(f.devices) or f.gpu_capacity > 0
+    fit = visible and f.node_state in HEALTHY_STATES and not bad and all(d.state in HEALTHY_STATES for d in f.devices)
+    # No "fit since" from the devices' own `since`: that is the agent's word, and the agent's account can write
+    # it; the recovery hold runs on the controller's clock from when it first saw the node fit.
+    return Assessment(None, f"node state {f.node_state or 'unset'}, {len(bad)} Unhealthy devices", fit)
 
 
 def _list(devices: Sequence[Device], limit: int = 3) -> str:

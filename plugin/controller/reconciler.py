@@ -25,7 +25,15 @@ from plugin.backoff import Backoff
 from plugin.controller import patches
 from plugin.controller.api import ControllerApi
 from plugin.controller.breaker import Breaker, BreakerState
-from plugin.controller.nodes import CONTROLLER, OWN_NO_EXECUTE, Keys, NodeFacts, Quarantine, facts_of
+from plugin.controller.nodes import (
+    CONTROLLER,
+    NO_EXECUTE_REMOVED,
+    OWN_NO_EXECUTE,
+    Keys,
+    NodeFacts,
+    Quarantine,
+    facts_of,
+)
 from plugin.controller.policy import Assessment, Rules, assess
 from plugin.outlets.kubeapi import ApiFailure
 from plugin.outlets.kubecommon import Involved, event_body, rfc3339
@@ -34,7 +42,31 @@ log = logging.getLogger(__name__)
 
 EVENT_NAMESPACE = "default"  # where Node events go (the kubelet's choice): kubectl describe node lists them
 DRAIN_RECHECK_S = 10.0  # how often a drain looks again at pods it could not evict yet (a PDB said no)
+# How often a Node we hold quarantined but no longer see through the watch (it left --node-selector, or a LIST went
+# without it) is read again by name: the only way to learn that it recovered, or that it is gone (404).
+OUT_OF_SIGHT_RECHECK_S = 60.0
 IDLE_WAKE_S = 60.0
+RETRY_INITIAL_S = 1.0  # one Node's back-off after a failed request: 1 s doubling to a minute
+RETRY_MAX_S = 60.0
+
+
+def permanent(status: int | None) -> bool:
+    """A refusal that asking again will not change (403 from RBAC or a webhook, 422, 400): final for the decision
+    it answered. 409 (moved on), 429 (throttled or a budget), 408 (timed out) and 404 (gone) are not."""
+    return status is not None and 400 <= status < 500 and status not in (404, 408, 409, 429)
+
+
+class NotLeading(Exception):
+    """The Lease was lost (or its renewal is overdue) just before a write: the write is not made."""
+
+
+class Refused(Exception):
+    """A write the API server refused for good (see :func:`permanent`)."""
+
+    def __init__(self, action: str, failure: ApiFailure) -> None:
+        super().__init__(f"{action}: {failure}")
+        self.action = action
+        self.failure = failure
 
 
 class Leadership(Protocol):
@@ -55,6 +87,7 @@ class Settings:
     drain: bool = False
     drain_per_minute: float = 10.0
     max_quarantined_fraction: float = 0.1
+    max_quarantined_nodes: int = 0
     dry_run: bool = False
     reset_breaker: bool = False
     namespace: str = "gpu-health-system"  # the Lease's, for the breaker's Events
@@ -66,11 +99,27 @@ class Settings:
 class Entry:
     facts: NodeFacts
     assessment: Assessment
-    fit_seen: float | None = None  # when we first saw it fit, if the annotations do not say
+    # When this process first saw it fit, by its own clock: the recovery hold counts from here, never from a time
+    # the node agent wrote (its account can write any device `since`). A new leader starts the hold over.
+    fit_seen: float | None = None
     dry: Quarantine | None = None  # what --dry-run pretends it applied
     drained_logged: bool = False
     blocked_told: bool = False  # its GPUQuarantineBlocked Event went out (once while it waits)
     refused: set[str] = field(default_factory=set)  # its pods a PodDisruptionBudget held back (429)
+    # Each Node backs off on its own: other Nodes' successes say nothing about why this one's requests fail.
+    backoff: Backoff = field(default_factory=lambda: Backoff(RETRY_INITIAL_S, RETRY_MAX_S))
+    # A write refused for good: the decision's inputs and the LIST generation it was refused at. Not retried until
+    # either moves (the Node changed, or a resync listed it again).
+    refusal: tuple[object, ...] | None = None
+    # What our record says we added that someone took off since (seen event by event, so a removal and a re-add
+    # between two decisions is still seen); struck from the record at the next decision.
+    disowned: set[str] = field(default_factory=set)
+    watched: bool = True  # the watch (or the last LIST) shows it; False: ours, kept and read again by name
+    read_at: float | None = None  # when an out-of-sight Node was last read by name
+
+    @property
+    def ours(self) -> bool:
+        return self.facts.quarantine is not None or self.dry is not None
 
 
 @dataclass
@@ -78,6 +127,7 @@ class Stats:
     actions: dict[str, int] = field(default_factory=dict)
     api_failures: dict[str, int] = field(default_factory=dict)
     conflicts: int = 0
+    refused_writes: dict[str, int] = field(default_factory=dict)  # by action: refused for good (403, 422, ...)
     events_posted: int = 0
     event_failures: int = 0
     evictions_blocked: int = 0
@@ -98,7 +148,7 @@ class Reconciler:
         self.gpu_nodes: set[str] = set()
         self.quarantined: set[str] = set()
         self.candidates: set[str] = set()
-        self.breaker = Breaker(settings.max_quarantined_fraction)
+        self.breaker = Breaker(settings.max_quarantined_fraction, max_nodes=settings.max_quarantined_nodes)
         self.stats = Stats()
         self.synced = False
         self.last_step_at = 0.0
@@ -109,7 +159,8 @@ class Reconciler:
         self._poked = False
         self._lease_events: list[dict[str, Any]] = []
         self._breaker_written = ""
-        self._backoff = Backoff(1.0, 60.0)
+        self._reset_flag_used = False  # --reset-breaker acts at the first acquisition only
+        self._lists = 0  # LISTs fed in (start, resync, after 410): a refused write is tried again after one
         self._eviction_at = 0.0  # when the drain rate allows the next eviction (over all nodes)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -119,6 +170,7 @@ class Reconciler:
     def begin_list(self) -> None:
         """A LIST starts: its pages follow as they arrive (each page's JSON is let go once its facts are kept)."""
         with self._cond:
+            self._lists += 1  # a resync: a write refused for good gets one more try (see _store)
             self._listed: set[str] = set()  # the Nodes this LIST has named so far
 
     def list_page(self, nodes: list[dict[str, Any]]) -> None:
@@ -159,42 +211,75 @@ class Reconciler:
             self._forget(name)
             self._cond.notify_all()
 
-    def _store(self, doc: dict[str, Any], force: bool) -> str:
+    def _store(self, doc: dict[str, Any], force: bool, watched: bool = True) -> str:
         """Keep a Node's facts; mark it dirty when a decision may change. Returns its name when it was dirtied
-        (or, with ``force``, whenever it is known)."""
+        (or, with ``force``, whenever it is known). ``watched`` False: the Node as read by name (a GET, a write's
+        answer), which says nothing about whether the watch still shows it."""
         f = facts_of(doc, self.s.keys)
         if not f.name:
             return ""
         old = self.entries.get(f.name)
         if old is not None and not force and _older(f.resource_version, old.facts.resource_version):
             return ""  # the echo of a write whose answer we already hold, or an older event still in flight
+        sighted = watched and old is not None and not old.watched
+        if sighted:
+            assert old is not None
+            old.watched = True
         if old is not None and old.facts.decision_key() == f.decision_key():
             old.facts = f  # only the version moved (a heartbeat): nothing to decide
+            if sighted:
+                self._count(f.name)
+            if old.refusal is not None and old.refusal[1] != self._lists:
+                self._dirty[f.name] = None  # a resync listed it again: a refused write gets its one more try
             return f.name if force else ""
         a = assess(f, self.s.rules)
         if old is None:
-            self.entries[f.name] = Entry(f, a)
+            e = self.entries[f.name] = Entry(f, a, watched=watched)
         else:
-            old.facts, old.assessment = f, a
+            e = old
+            e.facts, e.assessment = f, a
+        if f.quarantine is None:
+            e.disowned.clear()
+        else:
+            e.disowned = (e.disowned | patches.missing(f, self.s.keys)) & f.quarantine.owns
         self._count(f.name)
+        if f.name not in self.entries:
+            return ""
         self._dirty[f.name] = None
         return f.name
 
     def _forget(self, name: str) -> None:
+        """The watch or a LIST no longer shows the Node: it was deleted, or it left --node-selector. A Node we
+        hold quarantined is kept (it counts against the limit until we release it) and read again by name; a 404
+        then forgets it."""
+        e = self.entries.get(name)
+        if e is not None and e.ours:
+            if e.watched:
+                e.watched, e.read_at = False, None
+                self._dirty[name] = None
+            return
+        self._drop(name)
+
+    def _drop(self, name: str) -> None:
         self.entries.pop(name, None)
         self._dirty.pop(name, None)
         for s in (self.gpu_nodes, self.quarantined, self.candidates):
             s.discard(name)
 
     def _count(self, name: str) -> None:
+        """The breaker's sets. The denominator is the GPU nodes the watch shows plus every Node we hold
+        quarantined, whatever it looks like now: a quarantine counts against the limit until we release it."""
         e = self.entries[name]
         f = e.facts
-        if not f.is_gpu_node:
+        q = e.ours
+        if not q and not (e.watched and f.is_gpu_node):
+            if not e.watched:
+                self._drop(name)  # released (or its record removed) while out of sight: no longer ours to track
+                return
             for s in (self.gpu_nodes, self.quarantined, self.candidates):
                 s.discard(name)
             return
         self.gpu_nodes.add(name)
-        q = f.quarantine is not None or e.dry is not None
         (self.quarantined.add if q else self.quarantined.discard)(name)
         (self.candidates.add if e.assessment.reason and not q else self.candidates.discard)(name)
 
@@ -208,9 +293,12 @@ class Reconciler:
                 for name in self.gpu_nodes:
                     self._dirty[name] = None
                 state = BreakerState.from_json(self.leader.seen_annotations().get(self._breaker_key))
-                self.breaker = Breaker(self.s.max_quarantined_fraction, state)
+                self.breaker = Breaker(self.s.max_quarantined_fraction, state, self.s.max_quarantined_nodes)
                 self._breaker_written = state.to_json()
-                if self.s.reset_breaker:
+                if self.s.reset_breaker and not self._reset_flag_used:
+                    # Once per process start: a Lease blip or a hand-over and back must not close, again, a breaker
+                    # that opened since.
+                    self._reset_flag_used = True
                     self.breaker.reset(rfc3339(self.clock()), f"--reset-breaker at {rfc3339(self.clock())}")
             self._cond.notify_all()
 
@@ -273,7 +361,14 @@ class Reconciler:
                 break  # lost the Lease mid-batch: stop writing at once
             try:
                 self._decide(name, now)
-                self._backoff.reset()
+                e = self.entries.get(name)
+                if e is not None:
+                    e.backoff.reset()
+            except NotLeading:
+                log.info("reconcile %s: no longer the leader; stopping before the next write", name)
+                break
+            except Refused as exc:
+                self._refused(name, exc, now)
             except ApiFailure as exc:
                 self._failed(name, exc, now)
             self._flush_lease_events()
@@ -293,34 +388,78 @@ class Reconciler:
 
     def _failed(self, name: str, exc: ApiFailure, now: float) -> None:
         self.stats.last_error = f"{name}: {exc}"
+        with self._cond:
+            e = self.entries.get(name)
+        if e is None:
+            return
         if exc.status == 409:
             self.stats.conflicts += 1
             try:
                 node = self.api.get_node(name)
             except ApiFailure as again:
                 self.stats.count(self.stats.api_failures, "get")
-                self._at(now + self._backoff.next_delay(again.retry_after), name)
+                if again.status == 404:
+                    with self._cond:
+                        self._drop(name)
+                    return
+                self._at(now + e.backoff.next_delay(again.retry_after), name)
                 return
             with self._cond:
-                self._store(node, force=True)
-                self._dirty[name] = None
+                if self._store(node, force=True, watched=False):
+                    self._dirty[name] = None
             return
         if exc.status == 404:
             with self._cond:
-                self._forget(name)
+                self._drop(name)  # gone from the server (a read or a write by name said so): nothing left to hold
             return
-        delay = self._backoff.next_delay(exc.retry_after)
+        delay = e.backoff.next_delay(exc.retry_after)
         log.warning("reconcile %s: %s; trying again in %.1fs", name, exc, delay)
         self._at(now + delay, name)
+
+    def _refused(self, name: str, exc: Refused, now: float) -> None:
+        """Logged once, one Event, counted; the Node waits for a change or a resync."""
+        self.stats.last_error = f"{name}: {exc.failure}"
+        with self._cond:
+            e = self.entries.get(name)
+            if e is None:
+                return
+            e.refusal = (e.facts.decision_key(), self._lists)
+            f = e.facts
+        self.stats.count(self.stats.refused_writes, exc.action)
+        log.warning("reconcile %s: %s refused: %s; not retried until the node changes or the next resync", name,
+                    exc.action, exc.failure)
+        self._event(f, "GPUNodeWriteRefused", "Warning", f"{exc.action} refused by the API server: {exc.failure}; "
+                    f"not retried until the node changes or the next resync", now)
 
     # Decisions --------------------------------------------------------------------------------------------------
 
     def _decide(self, name: str, now: float) -> None:
         with self._cond:
             e = self.entries.get(name)
-            if e is None or not e.facts.is_gpu_node:
+            if e is None:
+                return
+            stale = not e.watched and (e.read_at is None or now - e.read_at >= OUT_OF_SIGHT_RECHECK_S)
+        if stale:
+            try:
+                node = self.api.get_node(name)
+            except ApiFailure:
+                self.stats.count(self.stats.api_failures, "get")
+                raise  # a 404 forgets it (_failed)
+            with self._cond:
+                e.read_at = now
+                self._store(node, force=True, watched=False)
+                self._dirty.pop(name, None)
+                e = self.entries.get(name)
+                if e is not None and not e.watched:
+                    heapq.heappush(self._timers, (now + OUT_OF_SIGHT_RECHECK_S, name))
+        with self._cond:
+            if e is None or name not in self.gpu_nodes:
                 return
             f, a = e.facts, e.assessment
+            if e.refusal is not None:
+                if e.refusal == (f.decision_key(), self._lists):
+                    return  # refused for good on these very inputs
+                e.refusal = None
         q = f.quarantine or e.dry
         if q is None:
             e.fit_seen = None
@@ -340,9 +479,17 @@ class Reconciler:
                 self._event(f, "GPUQuarantineBlocked", "Warning", f"not quarantined ({a.reason}: {a.message}): the "
                             f"circuit breaker is open: {self.breaker.state.reason}", now)
             return
+        if e.disowned and e.dry is None:
+            gone = frozenset(e.disowned)
+            log.info("%s: %s taken off by someone else during the quarantine: no longer ours to take back", name,
+                     ", ".join(sorted(gone)))
+            self._write(e, "disown", patches.disown(f, self.s.keys, gone))
+            self._decide(name, now)  # on the record as it is now
+            return
         if a.reason is not None:
             e.fit_seen = None
-            if self.s.no_execute_after_s > 0 and OWN_NO_EXECUTE not in q.owns and e.dry is None:
+            if (self.s.no_execute_after_s > 0 and not q.owns & {OWN_NO_EXECUTE, NO_EXECUTE_REMOVED}
+                    and e.dry is None):
                 due = (q.at or now) + self.s.no_execute_after_s
                 if now >= due:
                     self._write(e, "noexecute", patches.no_execute(f, self.s.keys, reason=q.reason, now=rfc3339(now)))
@@ -356,8 +503,7 @@ class Reconciler:
             return
         if e.fit_seen is None:
             e.fit_seen = now
-        since = a.fit_since if a.fit_since is not None else e.fit_seen
-        due = since + self.s.recovery_hold_s
+        due = e.fit_seen + self.s.recovery_hold_s
         if now < due:
             self._at(due, name)
             return
@@ -393,7 +539,7 @@ class Reconciler:
 
     def _release(self, e: Entry, now: float) -> None:
         f = e.facts
-        held = (now - (e.assessment.fit_since or e.fit_seen or now)) / 60.0
+        held = (now - (e.fit_seen if e.fit_seen is not None else now)) / 60.0
         if e.dry is not None:
             e.dry = None
             with self._cond:
@@ -403,21 +549,30 @@ class Reconciler:
             return
         assert f.quarantine is not None
         reason = f.quarantine.reason
-        self._write(e, "release", patches.release(f, self.s.keys, label=self.s.label))
+        self._write(e, "release", patches.release(f, self.s.keys, frozenset(e.disowned)))
         log.info("released %s (quarantined for %s, fit for %.0f min)", f.name, reason, held)
         self._event(f, "GPUNodeReleased", "Normal",
                     f"released: fit for {held:.0f} min (recovery hold {self.s.recovery_hold_s:.0f}s); was "
                     f"quarantined for {reason}", now)
 
+    def _must_lead(self) -> None:
+        """Asked right before each write: a Lease lost since the last question (a renewal overdue while an earlier
+        request was in flight) stops the writes here, not at the next Node."""
+        if not self.leader.is_leader():
+            raise NotLeading()
+
     def _write(self, e: Entry, action: str, patch: dict[str, Any]) -> None:
+        self._must_lead()
         try:
             node = self.api.patch_node(e.facts.name, patch)
-        except ApiFailure:
+        except ApiFailure as exc:
             self.stats.count(self.stats.api_failures, "patch")
+            if permanent(exc.status):
+                raise Refused(action, exc) from None
             raise
         self.stats.count(self.stats.actions, action)
         with self._cond:
-            self._store(node, force=True)
+            self._store(node, force=True, watched=False)
             self._dirty.pop(e.facts.name, None)
 
     def _drain(self, e: Entry, now: float) -> None:
@@ -443,6 +598,7 @@ class Reconciler:
                     wait = self._token_wait(now)  # the rate is what holds it back: look again with the next token
                 break
             meta = pod.get("metadata") or {}
+            self._must_lead()
             try:
                 self.api.evict_pod(str(meta.get("namespace")), str(meta.get("name")), str(meta.get("uid") or ""))
                 self.stats.count(self.stats.actions, "evict")
@@ -520,6 +676,10 @@ class Reconciler:
             self._post(self.s.namespace, body)
 
     def _post(self, namespace: str, body: dict[str, Any]) -> None:
+        if not self.leader.is_leader():
+            # Only the leader speaks for the controller; the Node's record says what was done.
+            log.info("event %s not posted: no longer the leader", body.get("reason"))
+            return
         try:
             self.api.create_event(namespace, body)
             self.stats.events_posted += 1

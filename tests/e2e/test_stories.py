@@ -212,7 +212,7 @@ def test_7_the_fleet_controller_quarantines_the_node_and_releases_it_once_health
         time.sleep(0.5)
     assert [(t["value"], t["effect"]) for t in taints()] == [("reboot-required", "NoSchedule")]
     meta = local.node_json()["metadata"]
-    assert meta["annotations"]["gpu-health.io/quarantined-by"] == "gpu-health-controller"
+    assert meta["annotations"]["controller.gpu-health.io/quarantined-by"] == "gpu-health-controller"
     assert any(e["reason"] == "GPUNodeQuarantined" for e in local.events("default", "Node", local.node))
     fleet = subprocess.run([sys.executable, "-m", "plugin.kubectl_plugin", "fleet"], capture_output=True, text=True,
                            timeout=60, env={**os.environ, "KUBECONFIG": str(local.c.layout.kubeconfig),

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from plugin.controller.api import NodePage
+from plugin.controller.config import parse_selector, selector_matches
 from plugin.outlets.kubeapi import ApiFailure
 
 P = "gpu-health.io"
@@ -111,6 +112,14 @@ class FakeControllerApi:
         self.failures: dict[str, list[ApiFailure]] = {}  # call name -> failures to raise, first first
         self.down = False  # every call fails as when the API server cannot be reached
         self.before_patch: Callable[[str], None] | None = None  # runs before a Node patch is applied (a racer)
+        # Whether the replica making the requests leads, asked at each write (a Node patch, an eviction, an Event):
+        # a write made while it says no is recorded in unled_writes. on_call runs after each request is recorded
+        # (what happens on the server, or to the Lease, while that request is in flight).
+        self.leading: Callable[[], bool] | None = None
+        self.unled_writes: list[str] = []
+        self.on_call: Callable[[str], None] | None = None
+        # Node name -> the failure every patch of that Node gets (a webhook that always says no, a 503 that lasts)
+        self.refuse_patches: dict[str, ApiFailure] = {}
         self.clock: Callable[[], float] = lambda: 0.0
         # The watcher's side: the watch streams to hand out, one per watch call. An item is an event, a failure
         # to raise there, or a callable: something that happens on the server (or to the clock) at that point.
@@ -118,6 +127,7 @@ class FakeControllerApi:
         self.watch_calls: list[tuple[str, str, int]] = []
         self.list_calls: list[str] = []
         self.list_page_size = 0
+        self.filter_lists = False  # True: a LIST returns only the Nodes its label selector matches, as the server does
         self.idle = threading.Event()  # set when a watch found no scripted stream left and waits for close()
         self._closed = threading.Event()
 
@@ -167,6 +177,10 @@ class FakeControllerApi:
 
     def _enter(self, call: str, detail: str) -> None:
         self.calls.append(f"{call} {detail}")
+        if call in ("patch node", "evict pod", "create event") and self.leading is not None and not self.leading():
+            self.unled_writes.append(f"{call} {detail}")
+        if self.on_call is not None:
+            self.on_call(f"{call} {detail}")
         if self.down:
             raise ApiFailure(None, "ConnectionRefusedError: [Errno 111] Connection refused")
         queued = self.failures.get(call)
@@ -178,16 +192,21 @@ class FakeControllerApi:
     def list_nodes(self, selector: str) -> tuple[list[dict[str, Any]], str]:
         self._enter("list nodes", "")
         self.list_calls.append(selector)
+        wanted = parse_selector(selector) if self.filter_lists else ()
         with self._lock:
-            return [copy.deepcopy(n) for n in self.nodes.values()], str(self.rv)
+            return [copy.deepcopy(n) for n in self.nodes.values()
+                    if selector_matches(wanted, n["metadata"].get("labels") or {})], str(self.rv)
 
     def list_node_pages(self, selector: str) -> Iterator[NodePage]:
         """The controller's LIST: pages of ``list_page_size`` Nodes (all in one when 0) from one snapshot, each
         request a "list nodes" call (so ``fail("list nodes", ...)`` can fail any page)."""
         self._enter("list nodes", "")
         self.list_calls.append(selector)
+        wanted = parse_selector(selector) if self.filter_lists else ()
         with self._lock:
-            snapshot, rv = [copy.deepcopy(n) for n in self.nodes.values()], str(self.rv)
+            snapshot = [copy.deepcopy(n) for n in self.nodes.values()
+                        if selector_matches(wanted, n["metadata"].get("labels") or {})]
+            rv = str(self.rv)
         size = self.list_page_size or max(1, len(snapshot))
         for start in range(0, max(1, len(snapshot)), size):
             if start:
@@ -222,6 +241,8 @@ class FakeControllerApi:
 
     def patch_node(self, name: str, patch: Mapping[str, Any]) -> dict[str, Any]:
         self._enter("patch node", name)
+        if name in self.refuse_patches:
+            raise self.refuse_patches[name]
         if self.before_patch is not None:
             racer, self.before_patch = self.before_patch, None
             racer(name)

@@ -111,7 +111,8 @@ def test_the_state_round_trips_through_its_json() -> None:
     b.trip(rfc(T0 + 2), 10, 20, 100)
     raw = b.state.to_json()
     doc = json.loads(raw)
-    assert set(doc) == {"state", "since", "limit", "gpuNodes", "quarantined", "blocked", "reason", "resetSeen"}
+    assert set(doc) == {"state", "since", "limit", "gpuNodes", "quarantined", "blocked", "reason", "resetSeen",
+                         "maxNodes"}
     assert " " not in raw.replace(doc["reason"], "")  # compact: it lives in an annotation
     assert BreakerState.from_json(raw) == b.state
 
@@ -179,3 +180,58 @@ def test_a_new_leader_with_reset_breaker_closes_it_once(reset: bool) -> None:
     saved = BreakerState.from_json(lease.lease_annotations[f"{P}/breaker"])
     assert saved.state == OPEN and saved.blocked == (1 if reset else 3)
     assert saved.reset_seen.startswith("--reset-breaker at ") is reset
+
+
+# The absolute cap (--max-quarantined-nodes) ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("fraction", "cap", "nodes", "limit"), [
+    (0.5, 0, 100, 50), (0.5, 3, 100, 3), (0.1, 30, 100, 10), (0.1, 1, 9, 1), (1.0, 5, 3, 3), (0.1, 4, 0, 0),
+])
+def test_the_absolute_cap_and_the_fraction_the_smaller_wins(fraction: float, cap: int, nodes: int,
+                                                            limit: int) -> None:
+    assert limit_for(fraction, nodes, cap) == limit
+    assert Breaker(fraction, max_nodes=cap).limit(nodes) == limit
+
+
+def test_the_cap_is_named_in_the_reason_and_kept_in_the_state() -> None:
+    b = Breaker(0.5, max_nodes=3)
+    assert b.trip(rfc(T0), 3, 7, 100)
+    assert b.state.reason == ("10 GPU nodes call for quarantine, 3 already are; the limit is 3 of 100 "
+                              "(--max-quarantined-nodes 3; --max-quarantined-fraction 50% would allow 50)")
+    assert json.loads(b.state.to_json())["maxNodes"] == 3
+    assert BreakerState.from_json(b.state.to_json()) == b.state
+    fraction_bound = Breaker(0.1, max_nodes=30)
+    fraction_bound.trip(rfc(T0), 10, 5, 100)
+    assert fraction_bound.state.reason.endswith("the limit is 10 of 100 (10%, --max-quarantined-fraction)")
+
+
+def test_the_reconciler_keeps_to_the_cap_and_its_metrics_show_it() -> None:
+    from plugin.controller.metrics import ControllerCollector
+
+    clock = FakeClock(T0)
+    api = FakeControllerApi()
+    for i in range(100):
+        api.add_node(gpu_node(f"n{i:03}", {0: "Unhealthy"} if i < 10 else None))
+    lead = FakeLeadership()
+    rec = Reconciler(api, Settings(keys=KEYS, rules=Rules(), max_quarantined_fraction=0.5,
+                                   max_quarantined_nodes=3), lead, clock=clock)
+    rec.replace(api.list_nodes("")[0])
+    rec.leadership_changed(True)
+    rec.step(clock.now)
+    assert rec.counts()["quarantined"] == 3 and rec.counts()["limit"] == 3 and rec.breaker.is_open
+    [opened] = [e for e in api.events if e["involvedObject"]["kind"] == "Lease"]
+    assert "--max-quarantined-nodes 3" in opened["message"]
+
+    class Watcher:
+        failures = lists = events = 0
+
+    class Elector:
+        failures = 0
+
+        def is_leader(self) -> bool:
+            return True
+
+    families = {f.name: f for f in ControllerCollector(rec, Watcher(), Elector()).collect()}  # type: ignore[arg-type]
+    assert families["gpu_health_controller_quarantine_limit"].samples[0].value == 3
+    assert families["gpu_health_controller_quarantine_max_nodes"].samples[0].value == 3

@@ -48,6 +48,7 @@ SAMPLES: dict[str, tuple[str, Any, str, Any]] = {
     "drain_per_minute": ("2.5", 2.5, "60", 60.0),
     "recovery_hold_s": ("90s", 90.0, "0", 0.0),
     "max_quarantined_fraction": ("0.25", 0.25, "1", 1.0),
+    "max_quarantined_nodes": ("5", 5, "20", 20),
     "lease_duration_s": ("30s", 30.0, "20", 20.0),
     "renew_deadline_s": ("5s", 5.0, "8", 8.0),
     "retry_period_s": ("1s", 1.0, "500ms", 0.5),
@@ -92,6 +93,7 @@ def test_defaults_are_the_documented_ones() -> None:
     assert cfg.metrics_address == "0.0.0.0:9403" and cfg.recovery_hold_s == 600.0
     assert (cfg.lease_duration_s, cfg.renew_deadline_s, cfg.retry_period_s) == (15.0, 10.0, 2.0)
     assert cfg.max_quarantined_fraction == 0.1 and cfg.drain_per_minute == 10.0
+    assert cfg.max_quarantined_nodes == 0  # no absolute cap unless asked
     assert cfg.quarantine_label_pair is None and cfg.selector == ()
     assert json.loads(json.dumps(cfg.effective()))["identity"] == socket.gethostname()
 
@@ -115,6 +117,7 @@ def test_the_file_schema_is_the_agreed_one() -> None:
         "policy.unhealthyDevices", "policy.unhealthyFraction", "policy.rebootRequired", "policy.capacityGap",
         "quarantine.noExecuteAfter", "quarantine.cordon", "quarantine.label",
         "drain.enabled", "drain.evictionsPerMinute", "release.recoveryHold", "breaker.maxQuarantinedFraction",
+        "breaker.maxQuarantinedNodes",
         "leaderElection.leaseDuration", "leaderElection.renewDeadline", "leaderElection.retryPeriod"}
     assert ctl.option("reset_breaker").key == "" and ctl.CONFIG_OPTION.key == ""
 
@@ -205,6 +208,9 @@ def test_quarantine_label_and_selector_helpers() -> None:
 # Rejections: each names the value where it was written -------------------------------------------------------------
 
 FLAG_REJECTIONS: list[tuple[list[str], str, str]] = [
+    # 245 characters is a DNS subdomain, but controller.<it> (the controller's own record) is not.
+    (["--annotation-prefix", ".".join(["a" * 60] * 4) + ".io"], "--annotation-prefix", "controller.aaaa"),
+    (["--max-quarantined-nodes", "-3"], "--max-quarantined-nodes", "must be 0 or more"),
     (["--namespace", "Team_A"], "--namespace", "DNS label"),
     (["--namespace", "x" * 64], "--namespace", "at most 63"),
     (["--identity", "two words"], "--identity", "without spaces"),
@@ -280,6 +286,9 @@ def test_bad_variables_name_the_variable(env: dict[str, str], field: str) -> Non
 
 
 FILE_REJECTIONS: list[tuple[str, str, str]] = [
+    ("version: v1\nbreaker:\n  maxQuarantinedNodes: -1\n", "breaker.maxQuarantinedNodes",
+     "breaker.maxQuarantinedNodes: must be 0 or more, got -1"),
+    ("version: v1\nbreaker:\n  maxQuarantinedNodes: 2.5\n", "breaker.maxQuarantinedNodes", "whole number"),
     ("version: v1\nbreaker:\n  maxQuarantinedFraction: 2\n", "breaker.maxQuarantinedFraction",
      "breaker.maxQuarantinedFraction: must be in (0, 1], got 2"),
     ("version: v1\nrelease:\n  recoveryHold: 10 minutes\n", "release.recoveryHold", "got '10 minutes'"),

@@ -381,7 +381,7 @@ def test_config_file_is_v1_with_the_documented_defaults(rendered: dict[str, list
         "quarantine": {"noExecuteAfter": 0, "cordon": False, "label": ""},
         "drain": {"enabled": False, "evictionsPerMinute": 10},
         "release": {"recoveryHold": "10m"},
-        "breaker": {"maxQuarantinedFraction": 0.1},
+        "breaker": {"maxQuarantinedFraction": 0.1, "maxQuarantinedNodes": 0},
         "leaderElection": {"leaseDuration": "15s", "renewDeadline": "10s", "retryPeriod": "2s"},
     }
 

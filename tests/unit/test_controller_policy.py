@@ -16,6 +16,7 @@ from plugin.controller.policy import CAPACITY_GAP, REBOOT_REQUIRED, UNHEALTHY_DE
 from tests.fakes.controller_api import T0, P, device, gpu_node, merge_patch, plain_node, rfc
 
 KEYS = Keys(P)
+OWN = f"controller.{P}"  # the controller's own record, where the agent's account cannot write
 OPERATOR_TAINT = {"key": "example.com/maintenance", "value": "disk", "effect": "NoSchedule"}
 
 
@@ -81,18 +82,31 @@ def test_the_summary_gives_the_gpu_total_only_when_entries_were_truncated() -> N
 
 
 def test_our_quarantine_is_read_only_when_quarantined_by_names_this_controller() -> None:
-    ours = {f"{P}/quarantined-by": CONTROLLER, f"{P}/quarantine-reason": "reboot-required",
-            f"{P}/quarantined-at": rfc(T0), f"{P}/quarantine-owns": "taint, cordon,,label"}
+    ours = {f"{OWN}/quarantined-by": CONTROLLER, f"{OWN}/quarantine-reason": "reboot-required",
+            f"{OWN}/quarantined-at": rfc(T0), f"{OWN}/quarantine-owns": "taint, cordon,,label"}
     taint = {"key": f"{P}/quarantine", "value": "reboot-required", "effect": "NoSchedule"}
     f = facts(gpu_node("n", annotations=ours, taints=[taint]))
     assert f.quarantine is not None
     assert (f.quarantine.reason, f.quarantine.at, f.quarantine.owns, f.quarantine.drained) == (
         "reboot-required", T0, frozenset({"taint", "cordon", "label"}), False)
     assert not f.foreign_taint
-    someone = facts(gpu_node("n", annotations={**ours, f"{P}/quarantined-by": "ops-team"}, taints=[taint]))
+    someone = facts(gpu_node("n", annotations={**ours, f"{OWN}/quarantined-by": "ops-team"}, taints=[taint]))
     assert someone.quarantine is None and someone.foreign_taint
-    drained = facts(gpu_node("n", annotations={**ours, f"{P}/quarantine-drained": rfc(T0)}))
+    drained = facts(gpu_node("n", annotations={**ours, f"{OWN}/quarantine-drained": rfc(T0)}))
     assert drained.quarantine is not None and drained.quarantine.drained
+
+
+def test_the_agents_prefix_never_makes_a_node_ours() -> None:
+    """The admission policy lets the node agent write any annotation under its prefix: a record there, forged or
+    left by an older controller, is not ours, and our taint beside it is a foreign one."""
+    forged = {f"{P}/quarantined-by": CONTROLLER, f"{P}/quarantine-reason": "reboot-required",
+              f"{P}/quarantined-at": rfc(T0), f"{P}/quarantine-owns": "taint,cordon"}
+    taint = {"key": f"{P}/quarantine", "value": "reboot-required", "effect": "NoSchedule"}
+    f = facts(gpu_node("n", annotations=forged, taints=[taint], unschedulable=True))
+    assert f.quarantine is None and f.foreign_taint
+    assert KEYS.by == f"controller.{P}/quarantined-by" and KEYS.owner == f"controller.{P}"
+    assert all(k.startswith(f"controller.{P}/") for k in KEYS.ours())
+    assert KEYS.taint == f"{P}/quarantine" and KEYS.breaker == f"{P}/breaker"
 
 
 def test_another_prefix_reads_its_own_keys() -> None:
@@ -127,23 +141,31 @@ def test_parse_time_accepts_rfc3339_and_nothing_else() -> None:
 # policy.py --------------------------------------------------------------------------------------------------------
 
 
-def test_a_healthy_node_breaks_no_rule_and_is_fit_since_its_latest_device_since() -> None:
+def test_a_healthy_or_degraded_node_breaks_no_rule_and_is_fit() -> None:
     doc = gpu_node("n", {2: "Degraded"})
-    doc["metadata"]["annotations"].update([device(5, action="none", since=T0 + 90, node="n")])
+    doc["metadata"]["annotations"].update([device(5, action="none", since=None, node="n")])
     a = assess(facts(doc), Rules())
-    assert a.reason is None and a.fit and a.fit_since == T0 + 90
-
-
-def test_fit_since_is_unknown_when_any_device_lacks_since() -> None:
-    doc = gpu_node("n")
-    doc["metadata"]["annotations"].update([device(4, since=None, node="n")])
-    a = assess(facts(doc), Rules())
-    assert a.fit and a.fit_since is None
+    assert a.reason is None and a.fit
 
 
 def test_an_unknown_device_is_no_rule_but_not_fit_either() -> None:
     a = assess(facts(gpu_node("n", {3: "Unknown"})), Rules())
-    assert a.reason is None and not a.fit and a.fit_since is None
+    assert a.reason is None and not a.fit
+
+
+def test_a_node_without_visible_gpus_is_never_fit() -> None:
+    stock = gpu_node("n", annotated=False)
+    stock["status"]["capacity"] = stock["status"]["allocatable"] = {"cpu": "8"}
+    a = assess(facts(stock), Rules())
+    assert a.reason is None and not a.fit
+    withdrawn = gpu_node("n", gpus=0)  # the agent's state annotation, no device entry, no capacity
+    withdrawn["status"]["capacity"] = withdrawn["status"]["allocatable"] = {"cpu": "8"}
+    withdrawn["metadata"]["annotations"][f"{P}/state"] = "Healthy"
+    assert not assess(facts(withdrawn), Rules()).fit
+    # Device entries alone are enough (DRA mode has no extended resource in capacity).
+    dra = gpu_node("n")
+    dra["status"]["capacity"] = dra["status"]["allocatable"] = {"cpu": "8"}
+    assert assess(facts(dra), Rules()).fit
 
 
 def test_one_unhealthy_gpu_fires_the_default_count_rule() -> None:
@@ -194,7 +216,7 @@ def test_capacity_gap_only_for_nodes_without_our_annotations() -> None:
     assert assess(stock, Rules(capacity_gap=2)).reason == CAPACITY_GAP
     assert assess(stock, Rules(capacity_gap=0)).reason is None  # off
     healthy = assess(facts(gpu_node("n", annotated=False)), Rules())
-    assert healthy.reason is None and healthy.fit and healthy.fit_since is None
+    assert healthy.reason is None and healthy.fit
     # Our annotations are the better signal: a gap on an annotated node (e.g. GPUs held back for MIG) is no rule.
     assert assess(facts(gpu_node("n", allocatable=0)), Rules()).reason is None
 
@@ -216,8 +238,8 @@ def quarantine(doc: dict[str, Any], cordon: bool = False, label: str = "") -> di
     return apply(doc, p)
 
 
-def release(doc: dict[str, Any], label: str = "") -> dict[str, Any]:
-    return apply(doc, patches.release(facts(doc), KEYS, label=label))
+def release(doc: dict[str, Any]) -> dict[str, Any]:
+    return apply(doc, patches.release(facts(doc), KEYS))
 
 
 def without_rv(doc: dict[str, Any]) -> dict[str, Any]:
@@ -238,13 +260,15 @@ def test_quarantine_adds_our_taint_and_records_what_it_added() -> None:
     assert after["spec"]["unschedulable"] is True
     assert after["metadata"]["labels"] == {f"{P}/quarantined": "true"}
     ann = after["metadata"]["annotations"]
-    assert ann[f"{P}/quarantined-by"] == CONTROLLER
-    assert ann[f"{P}/quarantine-reason"] == "reboot-required"
-    assert ann[f"{P}/quarantine-message"] == "reboot-node asked for by gpu.3"
-    assert ann[f"{P}/quarantined-at"] == "2026-01-01T00:00:00Z"
-    assert ann[f"{P}/quarantine-owns"] == "taint,cordon,label"
+    assert ann[f"{OWN}/quarantined-by"] == CONTROLLER
+    assert ann[f"{OWN}/quarantine-reason"] == "reboot-required"
+    assert ann[f"{OWN}/quarantine-message"] == "reboot-node asked for by gpu.3"
+    assert ann[f"{OWN}/quarantined-at"] == "2026-01-01T00:00:00Z"
+    assert ann[f"{OWN}/quarantine-owns"] == "taint,cordon,label"
+    assert ann[f"{OWN}/quarantine-label"] == f"{P}/quarantined=true"
     f = facts(after)
     assert f.quarantine is not None and f.quarantine.owns == {"taint", "cordon", "label"} and f.quarantine.at == T0
+    assert f.quarantine.label == f"{P}/quarantined=true"
 
 
 def test_quarantine_owns_nothing_an_operator_had_set_already() -> None:
@@ -253,8 +277,8 @@ def test_quarantine_owns_nothing_an_operator_had_set_already() -> None:
     after = quarantine(before, cordon=True, label=f"{P}/quarantined=true")
     assert after["spec"]["taints"] == [mine]  # not a second taint of the same key and effect
     assert after["metadata"]["labels"] == {f"{P}/quarantined": "by-hand"}
-    assert after["metadata"]["annotations"][f"{P}/quarantine-owns"] == ""
-    assert without_rv(release(after, label=f"{P}/quarantined=true")) == without_rv(before)
+    assert after["metadata"]["annotations"][f"{OWN}/quarantine-owns"] == ""
+    assert without_rv(release(after)) == without_rv(before)
 
 
 @pytest.mark.parametrize("cordon", [False, True])
@@ -264,7 +288,7 @@ def test_release_restores_the_node_exactly_as_it_was(cordon: bool, label: str) -
                               annotations={f"{P}/note": "kept", "example.com/owner": "ops"}))
     q = quarantine(before, cordon=cordon, label=label)
     assert q != before
-    assert without_rv(release(q, label=label)) == without_rv(before)
+    assert without_rv(release(q)) == without_rv(before)
 
 
 def test_release_leaves_taints_added_after_the_quarantine() -> None:
@@ -284,7 +308,7 @@ def test_every_patch_carries_the_resource_version_it_was_decided_on() -> None:
     q = quarantine(doc)
     f = facts(q)
     for p in (patches.no_execute(f, KEYS, reason="r", now=rfc(T0)), patches.drained(f, KEYS, now=rfc(T0)),
-              patches.release(f, KEYS, label="")):
+              patches.release(f, KEYS)):
         assert p["metadata"]["resourceVersion"] == "42"
 
 
@@ -295,7 +319,7 @@ def test_no_execute_adds_a_second_taint_once_and_release_takes_both() -> None:
     assert ne["spec"]["taints"][1:] == [
         {"key": f"{P}/quarantine", "value": "reboot-required", "effect": "NoSchedule"},
         {"key": f"{P}/quarantine", "value": "reboot-required", "effect": "NoExecute", "timeAdded": rfc(T0 + 300)}]
-    assert ne["metadata"]["annotations"][f"{P}/quarantine-owns"] == "noexecute,taint"
+    assert ne["metadata"]["annotations"][f"{OWN}/quarantine-owns"] == "noexecute,taint"
     again = patches.no_execute(facts(ne), KEYS, reason="reboot-required", now=rfc(T0 + 600))
     assert again["spec"]["taints"] == ne["spec"]["taints"]
     assert without_rv(release(ne)) == without_rv(before)
@@ -307,14 +331,14 @@ def test_an_operators_no_execute_taint_of_our_key_outlives_the_release() -> None
     q = merge_patch(q, {"spec": {"taints": [*q["spec"]["taints"], theirs]}})
     ne = patches.no_execute(facts(q), KEYS, reason="reboot-required", now=rfc(T0))
     assert ne["spec"]["taints"] == q["spec"]["taints"]  # theirs already does it: nothing added, nothing owned
-    assert ne["metadata"]["annotations"][f"{P}/quarantine-owns"] == "taint"
+    assert ne["metadata"]["annotations"][f"{OWN}/quarantine-owns"] == "taint"
     assert release(apply(q, ne))["spec"]["taints"] == [theirs]
 
 
 def test_drained_marks_the_node_and_release_clears_the_mark() -> None:
     q = quarantine(with_rv(gpu_node("n")))
     d = apply(q, patches.drained(facts(q), KEYS, now=rfc(T0 + 60)))
-    assert d["metadata"]["annotations"][f"{P}/quarantine-drained"] == rfc(T0 + 60)
+    assert d["metadata"]["annotations"][f"{OWN}/quarantine-drained"] == rfc(T0 + 60)
     f = facts(d)
     assert f.quarantine is not None and f.quarantine.drained
-    assert f"{P}/quarantine-drained" not in release(d)["metadata"]["annotations"]
+    assert f"{OWN}/quarantine-drained" not in release(d)["metadata"]["annotations"]

@@ -32,6 +32,7 @@ from tests.fakes.controller_api import (
 )
 
 KEYS = Keys(P)
+OWN = f"controller.{P}"  # the controller's own record, where the agent's account cannot write
 TAINT = f"{P}/quarantine"
 OPERATOR_TAINT = {"key": "example.com/maintenance", "value": "disk", "effect": "NoSchedule"}
 LABEL = f"{P}/quarantined=true"
@@ -99,7 +100,7 @@ class Rig:
 
     def quarantined(self) -> list[str]:
         return sorted(n for n, d in self.api.nodes.items()
-                      if (d["metadata"].get("annotations") or {}).get(f"{P}/quarantined-by") == CONTROLLER)
+                      if (d["metadata"].get("annotations") or {}).get(f"{OWN}/quarantined-by") == CONTROLLER)
 
     def events(self, reason: str | None = None) -> list[dict[str, Any]]:
         return [e for e in self.api.events if reason is None or e["reason"] == reason]
@@ -131,9 +132,9 @@ def test_each_rule_quarantines_with_its_reason_and_an_event(node: dict[str, Any]
     doc = rig.node("bad")
     assert doc["spec"]["taints"] == [{"key": TAINT, "value": reason, "effect": "NoSchedule"}]
     ann = doc["metadata"]["annotations"]
-    assert ann[f"{P}/quarantined-by"] == CONTROLLER and ann[f"{P}/quarantine-reason"] == reason
-    assert ann[f"{P}/quarantined-at"] == rfc(T0) and ann[f"{P}/quarantine-owns"] == "taint"
-    assert ann[f"{P}/quarantine-message"]
+    assert ann[f"{OWN}/quarantined-by"] == CONTROLLER and ann[f"{OWN}/quarantine-reason"] == reason
+    assert ann[f"{OWN}/quarantined-at"] == rfc(T0) and ann[f"{OWN}/quarantine-owns"] == "taint"
+    assert ann[f"{OWN}/quarantine-message"]
     [ev] = rig.events()
     assert ev["reason"] == "GPUNodeQuarantined" and ev["type"] == "Warning" and ev["namespace"] == "default"
     assert ev["involvedObject"] == {"apiVersion": "v1", "kind": "Node", "name": "bad", "uid": "uid-bad"}
@@ -157,7 +158,7 @@ def test_cordon_and_label_when_configured() -> None:
     doc = rig.node("bad")
     assert doc["spec"]["unschedulable"] is True
     assert doc["metadata"]["labels"] == {f"{P}/quarantined": "true"}
-    assert doc["metadata"]["annotations"][f"{P}/quarantine-owns"] == "taint,cordon,label"
+    assert doc["metadata"]["annotations"][f"{OWN}/quarantine-owns"] == "taint,cordon,label"
     assert "(taint gpu-health.io/quarantine=unhealthy-devices:NoSchedule, cordon, label " in rig.events()[0]["message"]
 
 
@@ -173,25 +174,25 @@ def test_a_custom_prefix_writes_its_own_keys() -> None:
     rec.step(clock.now)
     doc = api.node("bad")
     assert doc["spec"]["taints"][0]["key"] == "example.com/quarantine"
-    assert doc["metadata"]["annotations"]["example.com/quarantined-by"] == CONTROLLER
+    assert doc["metadata"]["annotations"]["controller.example.com/quarantined-by"] == CONTROLLER
 
 
 # Release ----------------------------------------------------------------------------------------------------------
 
 
-def test_release_waits_the_recovery_hold_from_the_latest_device_since() -> None:
+def test_release_waits_the_recovery_hold_from_when_the_controller_saw_it_fit() -> None:
     rig = Rig([gpu_node("n", {2: "Unhealthy"})], recovery_hold_s=600)
     rig.step()
     before = rig.node("n")
     # GPU 2 recovered at T0+100 (its since says so), but the controller only hears of it at T0+400 (a restart,
-    # a slow watch): the hold still ends at T0+700, not T0+1000.
+    # a slow watch): the hold ends at T0+1000. The since is the agent's word, which its account can forge.
     rig.clock.now = T0 + 400
     rig.agent("n", {2: "Healthy"}, since=T0 + 100)
-    assert rig.step() == T0 + 700
-    rig.clock.now = T0 + 699
+    assert rig.step() == T0 + 1000
+    rig.clock.now = T0 + 999
     rig.step()
     assert rig.api.writes() == ["patch node n"]
-    rig.run_until(T0 + 700)
+    rig.run_until(T0 + 1000)
     assert rig.api.writes() == ["patch node n", "patch node n"]
     after = rig.node("n")
     assert "taints" not in after["spec"] or after["spec"]["taints"] == []
@@ -250,7 +251,7 @@ def test_release_takes_back_only_what_the_quarantine_owns() -> None:
     before = {n: rig.node(n) for n in ("theirs", "ours")}
     rig.step()
     assert rig.quarantined() == ["ours", "theirs"]
-    assert rig.node("theirs")["metadata"]["annotations"][f"{P}/quarantine-owns"] == ""
+    assert rig.node("theirs")["metadata"]["annotations"][f"{OWN}/quarantine-owns"] == ""
     assert rig.taints("theirs") == [OPERATOR_TAINT, mine]
     assert rig.node("ours")["spec"]["unschedulable"] is True
     for n in ("theirs", "ours"):
@@ -291,7 +292,7 @@ def test_no_execute_is_added_once_after_the_grace_and_released_with_the_rest() -
     rig.run_until(T0 + 300)
     assert rig.taints("n")[1] == {"key": TAINT, "value": REBOOT_REQUIRED, "effect": "NoExecute",
                                   "timeAdded": rfc(T0 + 300)}
-    assert rig.node("n")["metadata"]["annotations"][f"{P}/quarantine-owns"] == "noexecute,taint"
+    assert rig.node("n")["metadata"]["annotations"][f"{OWN}/quarantine-owns"] == "noexecute,taint"
     rig.run_until(T0 + 3600)
     assert rig.api.writes() == ["patch node n"] * 2
     assert rig.rec.stats.actions == {"quarantine": 1, "noexecute": 1}
@@ -399,16 +400,25 @@ def test_a_stale_watch_event_does_not_roll_the_cache_back() -> None:
     rig.api.calls.clear()
     rig.step()
     assert rig.api.calls == []
-    # A relist is the truth, whatever its versions: a Node gone from it is forgotten.
-    rig.rec.replace([rig.node(f"ok{i}") for i in range(9)])
-    assert rig.rec.counts()["gpu_nodes"] == 9 and rig.rec.counts()["quarantined"] == 0
+    # A relist is the truth, whatever its versions: a Node gone from it is forgotten, unless we hold it
+    # quarantined (it counts until released: test_controller_safety.py).
+    rig.rec.replace([rig.node(f"ok{i}") for i in range(1, 9)])
+    assert rig.rec.counts()["gpu_nodes"] == 9 and rig.rec.counts()["quarantined"] == 1
+    assert "ok0" not in rig.rec.entries
 
 
 def test_a_deleted_node_is_forgotten() -> None:
     rig = Rig([gpu_node("n", {1: "Unhealthy"}), gpu_node("m")])
     rig.step()
-    rig.rec.delete(rig.node("n"))
+    gone = rig.node("n")
+    del rig.api.nodes["n"]
+    rig.rec.delete(gone)
+    # Quarantined: held until a read by name says 404 (test_controller_safety.py), then forgotten.
+    assert rig.rec.counts()["quarantined"] == 1
+    rig.step()
     assert rig.rec.counts() == {"gpu_nodes": 1, "quarantined": 0, "candidates": 0, "limit": 1, "nodes": 1}
+    rig.rec.delete(rig.node("m"))
+    assert rig.rec.counts()["nodes"] == 0
 
 
 def test_a_failed_write_is_retried_after_a_back_off() -> None:
@@ -481,12 +491,15 @@ def test_losing_the_lease_mid_batch_stops_writing_at_once() -> None:
     api = FakeControllerApi()
     for i in range(4):
         api.add_node(gpu_node(f"n{i}", {0: "Unhealthy"}))
-    rec = Reconciler(api, Settings(keys=KEYS, rules=Rules(), max_quarantined_fraction=1.0), Expiring(3),
+    rec = Reconciler(api, Settings(keys=KEYS, rules=Rules(), max_quarantined_fraction=1.0), Expiring(7),
                      clock=clock)
     rec.replace(api.list_nodes("")[0])
     rec.leadership_changed(True)
-    rec.step(clock.now)  # one question before the batch, then one before each Node
+    # One question before the batch, then one before each Node, and one right before each write (patch, Event).
+    rec.step(clock.now)
     assert api.writes() == ["patch node n0", "patch node n1"]
+    assert api.calls[1:] == ["patch node n0", "create event GPUNodeQuarantined",  # after the LIST
+                             "patch node n1", "create event GPUNodeQuarantined"]
 
 
 def test_a_new_leader_looks_at_every_node_once() -> None:
@@ -665,7 +678,7 @@ def test_drain_evicts_the_pods_drain_would_at_the_rate_and_marks_the_node() -> N
     assert rig.api.evictions == [(T0 + i, f"team/p{i}") for i in range(5)]
     assert rig.api.pods["n"] == keep
     ann = rig.node("n")["metadata"]["annotations"]
-    assert ann[f"{P}/quarantine-drained"] == rfc(T0 + 4 + DRAIN_RECHECK_S)
+    assert ann[f"{OWN}/quarantine-drained"] == rfc(T0 + 4 + DRAIN_RECHECK_S)
     [ev] = rig.events("GPUNodeDrained")
     assert ev["message"] == "drained: no evictable pods left"
     # Drained is final: no more pod lists for it.
@@ -692,7 +705,7 @@ def test_a_pod_its_budget_holds_back_is_retried_and_does_not_hold_up_the_others(
     assert rig.api.calls.count("evict pod team/a") == 4
     # A refused pod is asked again no faster than the drain recheck.
     assert rig.api.evictions[2][0] >= T0 + 2 + 2 * DRAIN_RECHECK_S
-    assert f"{P}/quarantine-drained" in rig.node("n")["metadata"]["annotations"]
+    assert f"{OWN}/quarantine-drained" in rig.node("n")["metadata"]["annotations"]
 
 
 def test_no_drain_without_the_option() -> None:

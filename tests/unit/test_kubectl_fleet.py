@@ -292,6 +292,13 @@ def test_gpu_nodes_and_gaps_as_the_controller_counts_them() -> None:
         "a", "b", "mig", "shared", "withdrawn"]
 
 
+def test_a_quarantined_node_without_gpus_still_counts_as_the_controller_counts_it() -> None:
+    gone = quarantine(stock_node("gone", 8, 6), "capacity-gap", "2 of 8 GPUs not allocatable", "2026-01-01T00:01:00Z")
+    gone["status"] = {"capacity": {"cpu": "8"}}  # the device plugin went away after the quarantine
+    view = fleetview.fleet([gone, stock_node("b")], None)
+    assert (view.gpu_nodes, view.quarantined) == (2, 1)
+
+
 def test_times_that_do_not_parse_sort_after_those_that_do() -> None:
     def q(name: str, at: str) -> Doc:
         return {"kind": "Node", "metadata": {"name": name, "annotations": {

@@ -140,10 +140,11 @@ class Fleet:
     def quarantine_of(self, name: str) -> dict[str, Any] | None:
         node = self.get(name)
         ann = node["metadata"].get("annotations") or {}
-        if ann.get(f"{PREFIX}/quarantined-by") != "gpu-health-controller":
+        if ann.get(f"controller.{PREFIX}/quarantined-by") != "gpu-health-controller":
             return None
         taints = [t for t in node["spec"].get("taints") or [] if t["key"] == f"{PREFIX}/quarantine"]
-        return {"reason": ann.get(f"{PREFIX}/quarantine-reason"), "owns": ann.get(f"{PREFIX}/quarantine-owns"),
+        return {"reason": ann.get(f"controller.{PREFIX}/quarantine-reason"),
+                "owns": ann.get(f"controller.{PREFIX}/quarantine-owns"),
                 "taints": taints, "unschedulable": bool(node["spec"].get("unschedulable")),
                 "labels": node["metadata"].get("labels") or {}}
 
@@ -539,7 +540,7 @@ def test_drain_no_execute_and_metrics_on_a_quarantined_node(apiserver: Any, run_
     wait(lambda: going("guarded"), 60, "the guarded pod evicted once its budget allows")
     wait(lambda: fleet.events(node, "GPUNodeDrained"), 60, "drained")
     assert not going("daemon")  # a DaemonSet's pod is never evicted
-    assert f"{PREFIX}/quarantine-drained" in fleet.get(node)["metadata"]["annotations"]
+    assert f"controller.{PREFIX}/quarantine-drained" in fleet.get(node)["metadata"]["annotations"]
     status, text = _scrape(port, "/metrics")
     assert status == 200
     assert _sample(text, 'gpu_health_controller_quarantined_nodes{reason="unhealthy-devices"}') == 1

@@ -196,7 +196,7 @@ def test_a_quarantine_patch_is_allowed_through_rbac_and_admission(controller: Id
     # account must be untouched by it: taint, cordon, label and annotations, on any Node (a dry run: nothing stays).
     taints = [{"key": "gpu-health.io/quarantine", "value": "reboot-required", "effect": "NoSchedule"}]
     patch = {"metadata": {"labels": {"gpu-health.io/quarantined": "true"},
-                          "annotations": {"gpu-health.io/quarantined-by": NAME}},
+                          "annotations": {"controller.gpu-health.io/quarantined-by": NAME}},
              "spec": {"unschedulable": True, "taints": taints}}
     result = controller.request("PATCH", f"/api/v1/nodes/{NODE}?dryRun=All", patch,
                                 content_type="application/merge-patch+json")

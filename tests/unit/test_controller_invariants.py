@@ -1,0 +1,490 @@
+"""The fleet controller's promises as invariants, under random interleavings (hypothesis's stateful testing).
+
+Two controller processes (replicas) run the real Reconciler against one in-memory API server (tests/fakes/
+controller_api.py), on one virtual clock, and see every Node change as the selector-filtered watch would show it.
+Rules: devices failing and recovering (with honest or forged ``since``), the stock plugin's capacity gap, GPUs
+vanishing and returning, Nodes leaving and joining ``--node-selector``, deletions and re-creations, an operator's
+cordons, taints and labels (including a label of the ``--quarantine-label`` key, and a taint of our key) put on and
+taken off, an agent forging the old-prefix record, 409s, a webhook's lasting 403, throttling, 410-triggered LISTs,
+the Lease lost in the middle of a step, hand-over, a replica restarting with another ``--quarantine-label``, and
+operator breaker resets.
+
+After every step:
+- a quarantine is only added while the quarantined count (the API's truth: Nodes carrying our record) stays within
+  the limit computed from the denominator rule (GPU nodes matching the selector plus Nodes carrying our record);
+- nothing an operator put on a Node (a cordon, a taint, a label value) is taken off or changed;
+- no replica writes (Node patch, eviction, Event) while its leadership says it does not lead.
+At the end (teardown): once every Node is healthy, refusals are gone, a replica leads and the clock runs past the
+hold (and the out-of-sight re-read), every quarantine is released.
+
+Deterministic: derandomized, no example database, a bounded number of examples and steps.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from plugin.controller.breaker import limit_for
+from plugin.controller.nodes import CONTROLLER, Keys, facts_of
+from plugin.controller.policy import Rules
+from plugin.controller.reconciler import OUT_OF_SIGHT_RECHECK_S, Reconciler, Settings
+from plugin.outlets.kubeapi import ApiFailure
+from tests.conftest import FakeClock
+from tests.fakes.controller_api import T0, FakeControllerApi, P, gpu_node
+from tests.unit.test_controller_reconciler import agent
+
+KEYS = Keys(P)
+AGENT_NODES = ("n0", "n1", "n2", "n3")
+STOCK_NODES = ("n4", "n5")
+NAMES = AGENT_NODES + STOCK_NODES
+POOL = "pool"
+SELECTOR = "pool=gpu"
+LABEL_SETTINGS = ("gpu-health.io/quarantined=true", "team.example.com/owner=gpu-health")
+HOLD_S = 30.0
+FRACTION = 0.34
+CAP = 2
+TAINT_KEYS = ("example.com/maintenance", KEYS.taint)
+LABEL_KEYS = ("gpu-health.io/quarantined", "team.example.com/owner", "example.com/rack")
+LABEL_VALUES = ("true", "gpu-health", "alice")
+
+
+class Replica:
+    """One controller process: its Reconciler, and its elector as the Reconciler sees it. ``lose_after`` makes
+    the Lease expire at the n-th question, whatever the Reconciler is doing then."""
+
+    def __init__(self, m: ControllerMachine, name: str) -> None:
+        self.m = m
+        self.name = name
+        self.leader = False
+        self.told = False  # what leadership_changed last said
+        self.lose_after: int | None = None  # the Lease expires at this question ...
+        self.lose_during: int | None = None  # ... or while this request (counted from 0) is in flight
+        self.label = m.label
+        settings = Settings(keys=KEYS, rules=Rules(), recovery_hold_s=HOLD_S, no_execute_after_s=20.0,
+                            cordon=True, label=self.label, max_quarantined_fraction=FRACTION,
+                            max_quarantined_nodes=CAP, identity=name)
+        self.rec = Reconciler(ReplicaApi(m.api, self), settings, self, clock=m.clock)  # type: ignore[arg-type]
+        self.rec.replace(m.api.list_nodes(SELECTOR)[0])
+
+    # Leadership, as the reconciler asks it
+    def is_leader(self) -> bool:
+        if self.lose_after is not None:
+            if self.lose_after <= 0:
+                self.leader, self.lose_after = False, None
+            else:
+                self.lose_after -= 1
+        return self.leader
+
+    def annotations(self) -> dict[str, str]:
+        return dict(self.m.lease)
+
+    def seen_annotations(self) -> dict[str, str]:
+        return dict(self.m.lease)
+
+    def set_annotation(self, key: str, value: str) -> None:
+        if self.leader:  # rides on a renewal: only the holder writes the Lease
+            self.m.lease[key] = value
+
+    def tell(self) -> None:
+        if not self.leader:
+            self.lose_after = self.lose_during = None
+        if self.leader != self.told:
+            self.told = self.leader
+            self.rec.leadership_changed(self.leader)
+
+    def step(self) -> None:
+        for _ in range(6):  # what the worker does: work queued now is done now
+            due = self.rec.step(self.m.clock.now)
+            self.tell()
+            if due > self.m.clock.now:
+                return
+
+
+class ReplicaApi:
+    """The shared API server as one replica reaches it: a write made while that replica does not lead is recorded."""
+
+    def __init__(self, api: FakeControllerApi, replica: Replica) -> None:
+        self.api = api
+        self.replica = replica
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.api, name)
+
+    def _check(self, what: str) -> None:
+        if not self.replica.leader:
+            self.api.unled_writes.append(f"{self.replica.name}: {what}")
+        self._in_flight()
+
+    def _in_flight(self) -> None:
+        r = self.replica
+        if r.lose_during is not None:
+            if r.lose_during <= 0:
+                r.leader, r.lose_during = False, None  # the renewal deadline passed while this request waited
+            else:
+                r.lose_during -= 1
+
+    def get_node(self, name: str) -> dict[str, Any]:
+        self._in_flight()
+        return self.api.get_node(name)
+
+    def list_pods_on(self, node: str) -> list[dict[str, Any]]:
+        self._in_flight()
+        return self.api.list_pods_on(node)
+
+    def patch_node(self, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        self._check(f"patch node {name}")
+        answer = self.api.patch_node(name, patch)
+        self.replica.m._deliver(name, react=False)  # the watch's echo reaches every replica (the writer ignores it)
+        return answer
+
+    def evict_pod(self, namespace: str, name: str, uid: str) -> None:
+        self._check(f"evict pod {namespace}/{name}")
+        self.api.evict_pod(namespace, name, uid)
+
+    def create_event(self, namespace: str, body: dict[str, Any]) -> str:
+        self._check(f"create event {body.get('reason')}")
+        return self.api.create_event(namespace, body)
+
+
+names = st.sampled_from(NAMES)
+
+
+class ControllerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = FakeClock(T0)
+        self.api = FakeControllerApi()
+        self.api.clock = self.clock
+        self.api.filter_lists = True
+        for n in NAMES:
+            self._create(n)
+        self.lease: dict[str, str] = {}
+        self.label = LABEL_SETTINGS[0]
+        self.resets = 0
+        # What the operator put on each Node, and so must still be there.
+        self.op_taints: dict[str, set[tuple[str, str]]] = {n: set() for n in NAMES}
+        self.op_cordon: set[str] = set()
+        self.op_labels: dict[str, dict[str, str]] = {n: {} for n in NAMES}
+        self.replicas = [Replica(self, "a"), Replica(self, "b")]
+        self.replicas[0].leader = True
+        self.replicas[0].tell()
+        self.before: set[str] = set()
+
+    # Helpers -------------------------------------------------------------------------------------------------------
+
+    def _create(self, name: str) -> None:
+        labels = {POOL: "gpu"}
+        doc = (gpu_node(name, gpus=2, labels=labels) if name in AGENT_NODES
+               else gpu_node(name, gpus=2, annotated=False, labels=labels))
+        doc["metadata"]["uid"] = f"uid-{name}-{self.clock.now}"
+        self.api.add_node(doc)
+
+    def _in_selector(self, doc: dict[str, Any]) -> bool:
+        return (doc["metadata"].get("labels") or {}).get(POOL) == "gpu"
+
+    def _deliver(self, name: str, old: dict[str, Any] | None = None, react: bool = True) -> None:
+        """The watch of every replica: ADDED/MODIFIED while the Node matches the selector, DELETED when it stops
+        matching or is deleted. Then (``react``) the workers act on it at once, as the real one wakes on a change."""
+        doc = self.api.nodes.get(name)
+        for r in self.replicas:
+            if doc is not None and self._in_selector(doc):
+                r.rec.upsert(copy.deepcopy(doc))
+            elif doc is not None or old is not None:
+                r.rec.delete(copy.deepcopy(doc or old))
+        if react:
+            self._step_all()
+
+    def _edit(self, name: str, patch: dict[str, Any], react: bool = True) -> None:
+        self.api.edit(name, patch)
+        self._deliver(name, react=react)
+
+    def _exists(self, name: str) -> bool:
+        return name in self.api.nodes
+
+    def _leader(self) -> Replica | None:
+        return next((r for r in self.replicas if r.leader), None)
+
+    def _step_all(self) -> None:
+        for r in self.replicas:
+            r.step()
+
+    def _ours(self) -> set[str]:
+        return {n for n, d in self.api.nodes.items() if facts_of(d, KEYS).quarantine is not None}
+
+    def _limit(self) -> int:
+        """The denominator rule: GPU nodes matching the selector, plus every Node carrying our record."""
+        counted = 0
+        for doc in self.api.nodes.values():
+            f = facts_of(doc, KEYS)
+            counted += f.quarantine is not None or (self._in_selector(doc) and f.is_gpu_node)
+        return limit_for(FRACTION, counted, CAP)
+
+    # The fleet -----------------------------------------------------------------------------------------------------
+
+    @initialize(failing=st.lists(names, unique=True, max_size=4))
+    def a_wave_of_failures(self, failing: list[str]) -> None:
+        """Start with some Nodes failing (a bad roll-out), so that most runs begin with quarantines and a breaker."""
+        for name in failing:
+            if name in AGENT_NODES:
+                agent(self.api, name, {0: "Unhealthy"}, self.clock.now)
+            else:
+                self.api.edit(name, {"status": {"allocatable": {"nvidia.com/gpu": "1"}}})
+            self._deliver(name)
+
+    @rule(name=st.sampled_from(AGENT_NODES), gpu=st.integers(0, 1),
+          state=st.sampled_from(("Unhealthy", "Healthy", "Unhealthy", "Healthy", "Unknown", "Degraded")),
+          reboot=st.booleans(),
+          forged_since=st.booleans())
+    def device_changes(self, name: str, gpu: int, state: str, reboot: bool, forged_since: bool) -> None:
+        if not self._exists(name):
+            return
+        since = T0 - 86400 if forged_since else self.clock.now
+        agent(self.api, name, {gpu: state}, since, reboot=(gpu,) if reboot and state != "Healthy" else ())
+        self._deliver(name)
+
+    @rule(name=st.sampled_from(STOCK_NODES), allocatable=st.integers(0, 2))
+    def stock_plugin_gap(self, name: str, allocatable: int) -> None:
+        if self._exists(name) and "nvidia.com/gpu" in self.api.nodes[name]["status"]["capacity"]:
+            self._edit(name, {"status": {"allocatable": {"nvidia.com/gpu": str(allocatable)}}})
+
+    @rule(name=names)
+    def gpus_vanish(self, name: str) -> None:
+        if self._exists(name):
+            self._edit(name, {"status": {"capacity": {"nvidia.com/gpu": None},
+                                         "allocatable": {"nvidia.com/gpu": None}}})
+
+    @rule(name=names)
+    def gpus_return(self, name: str) -> None:
+        if self._exists(name):
+            self._edit(name, {"status": {"capacity": {"nvidia.com/gpu": "2"},
+                                         "allocatable": {"nvidia.com/gpu": "2"}}})
+
+    @rule(name=names, inside=st.booleans())
+    def selector_membership(self, name: str, inside: bool) -> None:
+        if self._exists(name):
+            self._edit(name, {"metadata": {"labels": {POOL: "gpu" if inside else None}}})
+
+    @rule(name=names)
+    def node_deleted(self, name: str) -> None:
+        if self._exists(name):
+            old = self.api.nodes.pop(name)
+            self.op_taints[name].clear()
+            self.op_labels[name].clear()
+            self.op_cordon.discard(name)
+            self._deliver(name, old)
+
+    @rule(name=names)
+    def node_created(self, name: str) -> None:
+        if not self._exists(name):
+            self._create(name)
+            self._deliver(name)
+
+    @rule(name=st.sampled_from(AGENT_NODES))
+    def agent_forges_the_old_record(self, name: str) -> None:
+        if self._exists(name):
+            self._edit(name, {"metadata": {"annotations": {
+                f"{P}/quarantined-by": CONTROLLER, f"{P}/quarantine-owns": "taint,cordon,label",
+                f"{P}/quarantine-reason": "unhealthy-devices", f"{P}/quarantine-label": LABEL_SETTINGS[1]}}})
+
+    # The operator --------------------------------------------------------------------------------------------------
+
+    @rule(name=names)
+    def operator_cordons(self, name: str) -> None:
+        if self._exists(name) and not self.api.nodes[name]["spec"].get("unschedulable"):
+            self._edit(name, {"spec": {"unschedulable": True}})
+            self.op_cordon.add(name)
+
+    @rule(name=names, then_back=st.sampled_from((True, False)))
+    def operator_uncordons(self, name: str, then_back: bool) -> None:
+        """Off (ours or theirs), and with ``then_back`` on again, theirs now, before the controller decides."""
+        if self._exists(name) and self._in_selector(self.api.nodes[name]):
+            self._edit(name, {"spec": {"unschedulable": False}}, react=not then_back)
+            self.op_cordon.discard(name)
+            if then_back:
+                self.operator_cordons(name)
+
+    @rule(name=names, key=st.sampled_from(TAINT_KEYS), effect=st.sampled_from(("NoSchedule", "NoExecute")))
+    def operator_taints(self, name: str, key: str, effect: str) -> None:
+        if not self._exists(name):
+            return
+        taints = list(self.api.nodes[name]["spec"].get("taints") or [])
+        if any(t["key"] == key and t["effect"] == effect for t in taints):
+            return  # the API server refuses a second taint of one key and effect
+        self._edit(name, {"spec": {"taints": [*taints, {"key": key, "value": "ops", "effect": effect}]}})
+        self.op_taints[name].add((key, effect))
+
+    @rule(name=names, key=st.sampled_from(TAINT_KEYS[::-1]), effect=st.sampled_from(("NoSchedule", "NoExecute")),
+          then_back=st.sampled_from((True, False)))
+    def operator_untaints(self, name: str, key: str, effect: str, then_back: bool) -> None:
+        if not self._exists(name) or not self._in_selector(self.api.nodes[name]):
+            return
+        taints = list(self.api.nodes[name]["spec"].get("taints") or [])
+        self._edit(name, {"spec": {"taints": [t for t in taints if (t["key"], t["effect"]) != (key, effect)]}},
+                   react=not then_back)
+        self.op_taints[name].discard((key, effect))
+        if then_back:
+            self.operator_taints(name, key, effect)
+
+    @rule(name=names, key=st.sampled_from(LABEL_KEYS), value=st.sampled_from(LABEL_VALUES))
+    def operator_labels(self, name: str, key: str, value: str) -> None:
+        if self._exists(name) and (self.api.nodes[name]["metadata"].get("labels") or {}).get(key) != value:
+            self._edit(name, {"metadata": {"labels": {key: value}}})
+            self.op_labels[name][key] = value
+
+    @rule(name=names, key=st.sampled_from(LABEL_KEYS), then_back=st.sampled_from((*LABEL_VALUES, "")))
+    def operator_unlabels(self, name: str, key: str, then_back: str) -> None:
+        if self._exists(name) and self._in_selector(self.api.nodes[name]):
+            self._edit(name, {"metadata": {"labels": {key: None}}}, react=not then_back)
+            self.op_labels[name].pop(key, None)
+            if then_back:
+                self.operator_labels(name, key, then_back)
+
+    @rule()
+    def operator_resets_the_breaker(self) -> None:
+        self.resets += 1
+        self.lease[KEYS.breaker_reset] = str(self.resets)
+        for r in self.replicas:
+            r.rec.lease_changed()
+        self._step_all()
+
+    # The API server ------------------------------------------------------------------------------------------------
+
+    @rule()
+    def next_patch_conflicts(self) -> None:
+        def racer(name: str) -> None:
+            self.api.heartbeat(name, self.clock.now)  # the Node moved on between the read and the write
+
+        self.api.before_patch = racer
+
+    @rule(status=st.sampled_from((422, 429, 503)))
+    def next_patch_fails(self, status: int) -> None:
+        self.api.fail("patch node", status, "injected")
+
+    @rule(refuse=st.booleans())
+    def webhook_on_one_node(self, refuse: bool) -> None:
+        """A webhook that refuses every write to n3 (403) while it is on."""
+        if refuse:
+            self.api.refuse_patches["n3"] = ApiFailure(403, 'admission webhook "deny.example.com" denied it')
+        else:
+            self.api.refuse_patches.pop("n3", None)
+
+    @rule()
+    def watch_gone_relist(self) -> None:
+        for r in self.replicas:
+            r.rec.replace(self.api.list_nodes(SELECTOR)[0])
+        self._step_all()
+
+    # Time, leadership, processes -----------------------------------------------------------------------------------
+
+    @rule(seconds=st.sampled_from((20.0, 1.0, 5.0, 45.0, 75.0)))
+    def time_passes(self, seconds: float) -> None:
+        self.clock.now += seconds
+        self._step_all()
+
+    @rule(when=st.integers(0, 4), in_flight=st.sampled_from((True, False)))
+    def lease_will_be_lost(self, when: int, in_flight: bool) -> None:
+        """The leader's Lease will expire at its n-th leadership question from now, or while its n-th request is in
+        flight, in whatever step that falls."""
+        leader = self._leader()
+        if leader is None:
+            return
+        if in_flight:
+            leader.lose_during = when
+        else:
+            leader.lose_after = when
+
+    @rule(slot=st.integers(0, 1))
+    def acquire(self, slot: int) -> None:
+        if self._leader() is None:
+            self.replicas[slot].leader = True
+            self.replicas[slot].tell()
+
+    @rule()
+    def hand_over(self) -> None:
+        leader = self._leader()
+        if leader is None:
+            return
+        leader.leader = False
+        leader.tell()
+        other = self.replicas[1 - self.replicas.index(leader)]
+        other.leader = True
+        other.tell()
+
+    @precondition(lambda self: self._restartable() is not None)
+    @rule(label=st.sampled_from(LABEL_SETTINGS[::-1]))
+    def standby_restarts(self, label: str) -> None:
+        """A new process in place of the standby, perhaps with another --quarantine-label: it knows only what it
+        lists."""
+        slot = self._restartable()
+        assert slot is not None
+        self.label = label
+        self.replicas[slot] = Replica(self, self.replicas[slot].name)
+        self._step_all()
+
+    def _restartable(self) -> int | None:
+        # Known limits (docs/fleet.md): a fresh process lists through the selector, so it cannot learn of a Node we
+        # hold outside it; and what an operator took off and put back is known to the running replicas only until
+        # the leader writes it into the record (at once, unless that write fails): a restart before then forgets it.
+        if any(not self._in_selector(self.api.nodes[n]) for n in self._ours()):
+            return None
+        if any(e.disowned for r in self.replicas for e in r.rec.entries.values()):
+            return None
+        return next((slot for slot, r in enumerate(self.replicas) if not r.leader), None)
+
+    # Invariants ----------------------------------------------------------------------------------------------------
+
+    @invariant()
+    def quarantines_only_within_the_limit(self) -> None:
+        now = self._ours()
+        if now - self.before:
+            assert len(now) <= self._limit(), (sorted(now), self._limit())
+        self.before = now
+
+    @invariant()
+    def nothing_the_operator_added_is_taken_off(self) -> None:
+        for name, doc in self.api.nodes.items():
+            taints = {(t["key"], t["effect"]) for t in doc["spec"].get("taints") or []}
+            assert self.op_taints[name] <= taints, (name, self.op_taints[name], taints)
+            labels = doc["metadata"].get("labels") or {}
+            for key, value in self.op_labels[name].items():
+                assert labels.get(key) == value, (name, key, value, labels)
+            if name in self.op_cordon:
+                assert doc["spec"].get("unschedulable") is True, name
+
+    @invariant()
+    def no_write_while_not_leading(self) -> None:
+        assert self.api.unled_writes == []
+
+    def teardown(self) -> None:
+        """Liveness: healthy everywhere, nothing refused, a leader, the breaker reset, time past the hold."""
+        self.api.refuse_patches.clear()
+        self.api.failures.clear()
+        self.api.before_patch = None
+        for name in list(self.api.nodes):
+            self._edit(name, {"status": {"capacity": {"nvidia.com/gpu": "2"},
+                                         "allocatable": {"nvidia.com/gpu": "2"}}})
+            if name in AGENT_NODES:
+                agent(self.api, name, {0: "Healthy", 1: "Healthy"}, self.clock.now)
+                self._deliver(name)
+        self.operator_resets_the_breaker()
+        self.watch_gone_relist()  # a resync: refusals on the old inputs get their try
+        for r in self.replicas:
+            r.lose_after = r.lose_during = None
+        for _ in range(int((HOLD_S + OUT_OF_SIGHT_RECHECK_S) / 5) + 30):
+            if self._leader() is None:
+                self.acquire(0)
+            self.time_passes(5.0)
+        assert self._ours() == set(), {n: self.api.nodes[n]["metadata"].get("annotations") for n in self._ours()}
+        self.nothing_the_operator_added_is_taken_off()
+        self.no_write_while_not_leading()
+
+
+ControllerMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, derandomize=True, database=None, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+TestControllerInvariants = ControllerMachine.TestCase

@@ -1,0 +1,299 @@
+"""Issue 24's scenarios for the fleet controller, each the reproduction of a defect: the breaker's limit holds
+whatever a quarantined node looks like now, release takes back what was recorded, the agent cannot forge the
+controller's record, the reset flag acts once, back-off is per node, and every write is made while leading. The
+invariants themselves are in test_controller_invariants.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from plugin.controller.breaker import OPEN, BreakerState
+from plugin.controller.reconciler import Reconciler
+from plugin.outlets.kubeapi import ApiFailure
+from tests.fakes.controller_api import T0, P, gpu_node, rfc
+from tests.unit.test_controller_reconciler import Rig
+
+NO_GPUS = {"status": {"capacity": {"nvidia.com/gpu": None}, "allocatable": {"nvidia.com/gpu": None}}}
+
+
+def stock_fleet(n: int = 10) -> list[dict[str, Any]]:
+    return [gpu_node(f"n{i}", annotated=False) for i in range(n)]
+
+
+def gap(rig: Rig, name: str, allocatable: int) -> None:
+    rig.api.edit(name, {"status": {"allocatable": {"nvidia.com/gpu": str(allocatable)}}})
+    rig.watch(name)
+
+
+# 1. The limit holds whatever a node looks like now --------------------------------------------------------------
+
+
+def test_a_quarantined_node_whose_gpus_vanish_still_counts_and_is_not_released() -> None:
+    rig = Rig(stock_fleet(), recovery_hold_s=60)
+    gap(rig, "n0", 7)
+    rig.step()
+    assert rig.quarantined() == ["n0"]
+    # The device plugin goes away: the kubelet drops the resource from capacity and allocatable.
+    rig.api.edit("n0", NO_GPUS)
+    rig.watch("n0")
+    gap(rig, "n1", 6)
+    rig.run_until(T0 + 600)
+    assert rig.quarantined() == ["n0"]  # n1 waits behind the breaker: 1 of 10 is the limit
+    assert rig.rec.counts()["gpu_nodes"] == 10 and rig.rec.counts()["quarantined"] == 1
+    # It comes back whole: fit, and released after the hold; then n1's turn.
+    rig.api.edit("n0", {"status": {"capacity": {"nvidia.com/gpu": "8"}, "allocatable": {"nvidia.com/gpu": "8"}}})
+    rig.watch("n0")
+    rig.lead.lease_annotations["gpu-health.io/breaker-reset"] = "1"
+    rig.run_until(T0 + 800)
+    assert rig.quarantined() == ["n1"]
+
+
+def test_a_quarantined_node_that_leaves_the_selector_still_counts_and_is_released_by_name() -> None:
+    rig = Rig(stock_fleet(), recovery_hold_s=60)
+    gap(rig, "n0", 7)
+    rig.step()
+    rig.rec.delete(rig.node("n0"))  # the watch's DELETED: a label change took it out of --node-selector
+    gap(rig, "n1", 6)
+    rig.run_until(T0 + 300)
+    assert rig.quarantined() == ["n0"]
+    assert rig.rec.counts()["gpu_nodes"] == 10 and rig.rec.counts()["quarantined"] == 1
+    assert "get node n0" in rig.api.calls
+    # Healthy again, seen only by reading it by name: released.
+    rig.api.edit("n0", {"status": {"allocatable": {"nvidia.com/gpu": "8"}}})
+    rig.run_until(T0 + 600)
+    assert "n0" not in rig.quarantined()
+    assert rig.taints("n0") == []
+
+
+def test_a_quarantined_node_missing_from_a_relist_still_counts() -> None:
+    rig = Rig(stock_fleet(), recovery_hold_s=60)
+    gap(rig, "n0", 7)
+    rig.step()
+    rig.rec.replace([rig.node(f"n{i}") for i in range(1, 10)])
+    gap(rig, "n1", 6)
+    rig.run_until(T0 + 300)
+    assert rig.quarantined() == ["n0"]
+    assert rig.rec.counts()["quarantined"] == 1
+
+
+def test_a_quarantined_node_deleted_from_the_server_is_forgotten_on_its_404() -> None:
+    rig = Rig(stock_fleet(), recovery_hold_s=60)
+    gap(rig, "n0", 7)
+    rig.step()
+    gone = rig.node("n0")
+    del rig.api.nodes["n0"]
+    rig.rec.delete(gone)
+    rig.run_until(T0 + 10)
+    assert "n0" not in rig.rec.entries
+    assert rig.rec.counts()["gpu_nodes"] == 9 and rig.rec.counts()["quarantined"] == 0
+
+
+# 3. Release takes back exactly what was added --------------------------------------------------------------------
+
+
+def test_release_after_a_change_of_the_label_setting_removes_the_label_it_added() -> None:
+    rig = Rig([gpu_node("n", {1: "Unhealthy"}, labels={"team.example.com/owner": "alice"})],
+              label="gpu-health.io/quarantined=true", recovery_hold_s=60)
+    rig.step()
+    assert rig.node("n")["metadata"]["labels"]["gpu-health.io/quarantined"] == "true"
+    # The controller restarts with another label setting, one whose key an operator already uses on the node.
+    settings = replace(rig.settings, label="team.example.com/owner=gpu-health")
+    rig.rec = Reconciler(rig.api, settings, rig.lead, clock=rig.clock)
+    rig.rec.replace(rig.api.list_nodes("")[0])
+    rig.rec.leadership_changed(True)
+    rig.agent("n", {1: "Healthy"}, since=rig.clock.now)
+    rig.run_until(T0 + 600)
+    assert rig.quarantined() == []
+    assert rig.node("n")["metadata"]["labels"] == {"team.example.com/owner": "alice"}
+
+
+def test_a_label_an_operator_changed_during_the_quarantine_is_theirs() -> None:
+    rig = Rig([gpu_node("n", {1: "Unhealthy"})], label="gpu-health.io/quarantined=true", recovery_hold_s=60)
+    rig.step()
+    rig.api.edit("n", {"metadata": {"labels": {"gpu-health.io/quarantined": "keep-for-rma"}}})
+    rig.watch("n")
+    rig.agent("n", {1: "Healthy"}, since=rig.clock.now)
+    rig.run_until(T0 + 600)
+    assert rig.quarantined() == []
+    assert rig.node("n")["metadata"]["labels"] == {"gpu-health.io/quarantined": "keep-for-rma"}
+
+
+# 4. The agent cannot forge the controller's record, nor its hold ------------------------------------------------
+
+
+def test_an_agent_forging_the_old_record_cannot_make_the_controller_uncordon() -> None:
+    taint = {"key": "gpu-health.io/quarantine", "value": "unhealthy-devices", "effect": "NoSchedule"}
+    forged = {"gpu-health.io/quarantined-by": "gpu-health-controller", "gpu-health.io/quarantine-owns": "cordon,taint",
+              "gpu-health.io/quarantine-reason": "unhealthy-devices", "gpu-health.io/quarantined-at": rfc(T0 - 86400)}
+    # An operator cordoned the node (and put our taint on by hand); a compromised agent writes the old record and
+    # healthy devices that say they recovered a day ago.
+    rig = Rig([gpu_node("n", since=T0 - 86400, unschedulable=True, taints=[taint], annotations=forged)],
+              recovery_hold_s=60)
+    rig.run_until(T0 + 3600)
+    assert rig.api.writes() == []
+    assert rig.node("n")["spec"]["unschedulable"] is True and rig.taints("n") == [taint]
+    assert rig.rec.counts()["quarantined"] == 0
+
+
+def test_the_recovery_hold_runs_on_the_controllers_clock_not_the_agents_since() -> None:
+    rig = Rig([gpu_node("n", {2: "Unhealthy"})], recovery_hold_s=600)
+    rig.step()
+    rig.clock.now = T0 + 400
+    rig.agent("n", {2: "Healthy"}, since=T0 - 86400)  # a since from long ago: not a reason to skip the hold
+    rig.run_until(T0 + 999)
+    assert rig.quarantined() == ["n"]
+    rig.run_until(T0 + 1000)
+    assert rig.quarantined() == []
+
+
+# 5. --reset-breaker acts once per process start ------------------------------------------------------------------
+
+
+def test_reset_breaker_closes_the_breaker_once_per_process_not_per_leadership() -> None:
+    rig = Rig([gpu_node(f"n{i:02}", {0: "Unhealthy"} if i < 5 else None) for i in range(20)], leader=False,
+              reset_breaker=True)
+    opened = BreakerState(state=OPEN, since=rfc(T0 - 600), limit=2, gpu_nodes=20, quarantined=0, blocked=5)
+    rig.lead.lease_annotations[f"{P}/breaker"] = opened.to_json()
+    rig.lead.leader = True
+    rig.rec.leadership_changed(True)
+    assert not rig.rec.breaker.is_open  # the flag closes it at the first acquisition
+    rig.step()
+    assert len(rig.quarantined()) == 2 and rig.rec.breaker.is_open  # and the limit opened it again
+    # A Lease blip: leadership lost and won back (or handed over and back) with the flag still set.
+    rig.clock.now = T0 + 30
+    rig.lead.leader = False
+    rig.rec.leadership_changed(False)
+    rig.lead.leader = True
+    rig.rec.leadership_changed(True)
+    assert rig.rec.breaker.is_open
+    rig.run_until(T0 + 60)
+    assert len(rig.quarantined()) == 2
+
+
+# 6. Per-node back-off; a refusal is final for that decision -----------------------------------------------------
+
+
+def sample(rig: Rig, family: str, **labels: str) -> float:
+    """One sample of the controller's metrics, as a scrape would read it."""
+    from plugin.controller.metrics import ControllerCollector
+
+    class Watcher:
+        failures = lists = events = 0
+
+    class Elector:
+        failures = 0
+
+        def is_leader(self) -> bool:
+            return True
+
+    for f in ControllerCollector(rig.rec, Watcher(), Elector()).collect():  # type: ignore[arg-type]
+        if f.name == family:
+            return next(s.value for s in f.samples if s.labels == labels)
+    raise AssertionError(f"no {family}")
+
+
+def flapping(rig: Rig, name: str, until: float, every: float = 5.0) -> None:
+    """Another node that fails and recovers again and again: its writes succeed all along."""
+    state = "Healthy"
+    while rig.clock.now < until:
+        state = "Unhealthy" if state == "Healthy" else "Healthy"
+        rig.agent(name, {0: state}, since=rig.clock.now)
+        rig.run_until(rig.clock.now + every)
+
+
+def test_a_node_whose_patch_keeps_failing_backs_off_on_its_own() -> None:
+    rig = Rig([gpu_node("a", {1: "Unhealthy"}), gpu_node("b"), *(gpu_node(f"ok{i}") for i in range(8))],
+              max_quarantined_fraction=1.0, recovery_hold_s=0)
+    rig.api.refuse_patches["a"] = ApiFailure(503, "the webhook is not reachable")
+    flapping(rig, "b", T0 + 600)
+    tries = rig.api.calls.count("patch node a")
+    assert rig.api.writes().count("patch node b") >= 100  # b's writes went through all along
+    assert 8 <= tries <= 20  # 1 s doubling to a minute: about 16 in ten minutes, not one a second
+
+
+def test_a_refused_patch_is_not_retried_until_the_node_changes_or_a_resync() -> None:
+    rig = Rig([gpu_node("a", {1: "Unhealthy"}), gpu_node("b"), *(gpu_node(f"ok{i}") for i in range(8))],
+              max_quarantined_fraction=1.0, recovery_hold_s=0)
+    rig.api.refuse_patches["a"] = ApiFailure(403, 'admission webhook "deny.example.com" denied the request')
+    flapping(rig, "b", T0 + 600)
+    assert rig.api.calls.count("patch node a") == 1
+    assert rig.rec.stats.refused_writes == {"quarantine": 1}
+    assert sample(rig, "gpu_health_controller_refused_writes", action="quarantine") == 1
+    [ev] = rig.events("GPUNodeWriteRefused")
+    assert ev["involvedObject"]["name"] == "a" and ev["type"] == "Warning"
+    assert "HTTP 403" in ev["message"] and "deny.example.com" in ev["message"]
+    # A heartbeat is no change of the decision's inputs: still not retried.
+    rig.rec.upsert(rig.api.heartbeat("a", rig.clock.now))
+    rig.run_until(rig.clock.now + 60)
+    assert rig.api.calls.count("patch node a") == 1
+    # A change of the node is a new decision: one more try (refused again: one more Event).
+    rig.agent("a", {1: "Unhealthy", 2: "Unhealthy"}, since=rig.clock.now)
+    rig.run_until(rig.clock.now + 60)
+    assert rig.api.calls.count("patch node a") == 2 and len(rig.events("GPUNodeWriteRefused")) == 2
+    # So is a resync's LIST; and once the webhook lets it through, it is quarantined.
+    del rig.api.refuse_patches["a"]
+    rig.rec.replace(rig.api.list_nodes("")[0])
+    rig.run_until(rig.clock.now + 1)
+    assert "a" in rig.quarantined()
+
+
+# 7. The leader asks whether it still leads right before each write ---------------------------------------------
+
+
+def losing_the_lease_during(rig: Rig, call: str) -> None:
+    rig.api.leading = rig.lead.is_leader
+
+    def lease_lost(made: str) -> None:
+        if made == call:
+            rig.lead.leader = False
+
+    rig.api.on_call = lease_lost
+
+
+def test_no_event_or_next_patch_after_the_lease_is_lost_during_a_patch() -> None:
+    rig = Rig([gpu_node(f"n{i}", {0: "Unhealthy"}) for i in range(4)], max_quarantined_fraction=1.0)
+    losing_the_lease_during(rig, "patch node n0")
+    rig.step()
+    assert rig.api.calls == ["patch node n0"]
+    assert rig.api.unled_writes == []
+
+
+def test_no_eviction_after_the_lease_is_lost_while_listing_pods() -> None:
+    from tests.unit.test_controller_reconciler import pod
+
+    rig = Rig([gpu_node("n", {1: "Unhealthy"}), *(gpu_node(f"ok{i}") for i in range(9))], drain=True,
+              drain_per_minute=600)
+    rig.api.pods["n"] = [pod(f"p{i}") for i in range(3)]
+    rig.step()  # quarantined; the drain is due at once
+    losing_the_lease_during(rig, "list pods n")
+    rig.step()
+    assert rig.api.calls[-1] == "list pods n"
+    assert rig.api.unled_writes == [] and rig.api.evictions == []
+
+
+def test_what_an_operator_took_off_and_put_back_is_theirs_even_for_the_next_leader() -> None:
+    rig = Rig([gpu_node("n", {1: "Unhealthy"}), *(gpu_node(f"ok{i}") for i in range(9))], cordon=True,
+              label="gpu-health.io/quarantined=true", recovery_hold_s=60, no_execute_after_s=30)
+    rig.step()
+    # The operator uncordons and takes our label off, then puts both back (a maintenance of theirs), in two
+    # writes the controller sees one by one before it decides again.
+    rig.api.edit("n", {"spec": {"unschedulable": False}, "metadata": {"labels": {"gpu-health.io/quarantined": None}}})
+    rig.watch("n")
+    rig.api.edit("n", {"spec": {"unschedulable": True}, "metadata": {"labels": {"gpu-health.io/quarantined": "true"}}})
+    rig.watch("n")
+    rig.run_until(T0 + 40)  # the NoExecute taint goes on; then the operator takes it off
+    rig.api.edit("n", {"spec": {"taints": [t for t in rig.taints("n") if t["effect"] != "NoExecute"]}})
+    rig.watch("n")
+    rig.run_until(T0 + 80)
+    assert [t["effect"] for t in rig.taints("n")] == ["NoSchedule"]  # not put back
+    # A new leader (fresh process) releases it, from the record alone.
+    rig.rec = Reconciler(rig.api, rig.settings, rig.lead, clock=rig.clock)
+    rig.rec.replace(rig.api.list_nodes("")[0])
+    rig.rec.leadership_changed(True)
+    rig.agent("n", {1: "Healthy"}, since=rig.clock.now)
+    rig.run_until(T0 + 300)
+    doc = rig.node("n")
+    assert rig.quarantined() == [] and rig.taints("n") == []
+    assert doc["spec"]["unschedulable"] is True and doc["metadata"]["labels"] == {"gpu-health.io/quarantined": "true"}
