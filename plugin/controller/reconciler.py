@@ -248,6 +248,17 @@ class Reconciler:
         self._dirty[f.name] = None
         return f.name
 
+    def _store_answer(self, doc: dict[str, Any]) -> bool:
+        """Keep a Node as a request by name answered it (a write, a GET), unless the watch has already delivered a
+        newer version: that one's facts, and the recheck it queued, stand (False)."""
+        name = str((doc.get("metadata") or {}).get("name") or "")
+        old = self.entries.get(name)
+        rv = str((doc.get("metadata") or {}).get("resourceVersion") or "")
+        if old is not None and _older(rv, old.facts.resource_version):
+            return False
+        self._store(doc, force=True, watched=False)
+        return True
+
     def _forget(self, name: str) -> None:
         """The watch or a LIST no longer shows the Node: it was deleted, or it left --node-selector. A Node we
         hold quarantined is kept (it counts against the limit until we release it) and read again by name; a 404
@@ -405,7 +416,7 @@ class Reconciler:
                 self._at(now + e.backoff.next_delay(again.retry_after), name)
                 return
             with self._cond:
-                if self._store(node, force=True, watched=False):
+                if self._store_answer(node):
                     self._dirty[name] = None
             return
         if exc.status == 404:
@@ -447,8 +458,8 @@ class Reconciler:
                 raise  # a 404 forgets it (_failed)
             with self._cond:
                 e.read_at = now
-                self._store(node, force=True, watched=False)
-                self._dirty.pop(name, None)
+                if self._store_answer(node):
+                    self._dirty.pop(name, None)
                 e = self.entries.get(name)
                 if e is not None and not e.watched:
                     heapq.heappush(self._timers, (now + OUT_OF_SIGHT_RECHECK_S, name))
@@ -572,8 +583,8 @@ class Reconciler:
             raise
         self.stats.count(self.stats.actions, action)
         with self._cond:
-            self._store(node, force=True, watched=False)
-            self._dirty.pop(e.facts.name, None)
+            if self._store_answer(node):
+                self._dirty.pop(e.facts.name, None)
 
     def _drain(self, e: Entry, now: float) -> None:
         f = e.facts

@@ -297,3 +297,30 @@ def test_what_an_operator_took_off_and_put_back_is_theirs_even_for_the_next_lead
     doc = rig.node("n")
     assert rig.quarantined() == [] and rig.taints("n") == []
     assert doc["spec"]["unschedulable"] is True and doc["metadata"]["labels"] == {"gpu-health.io/quarantined": "true"}
+
+
+# A write's answer that the watch has already overtaken ----------------------------------------------------------
+
+
+def test_a_write_answer_older_than_what_the_watch_delivered_neither_overwrites_it_nor_drops_its_recheck() -> None:
+    # Found by bench/bench_fleet.py at 500 nodes: the quarantine's answer reached the worker after the watch had
+    # delivered the write's echo and then the agent's "healthy again"; the stale answer replaced the newer facts and
+    # cleared the recheck, so the node stayed quarantined until it changed again or the next resync.
+    rig = Rig([gpu_node("n", {2: "Unhealthy"})], recovery_hold_s=0)
+    patch = rig.api.patch_node
+
+    def overtaken(name: str, body: dict[str, Any]) -> dict[str, Any]:
+        answer = patch(name, body)
+        rig.watch(name)  # the write's echo
+        rig.agent(name, {2: "Healthy"}, since=T0)  # and the agent's next change, both before the answer lands
+        return answer
+
+    rig.api.patch_node = overtaken  # type: ignore[method-assign]
+    rig.step()
+    rig.api.patch_node = patch  # type: ignore[method-assign]
+    assert rig.quarantined() == ["n"]
+    cached = rig.rec.entries["n"].facts
+    assert cached.resource_version == rig.node("n")["metadata"]["resourceVersion"]
+    assert cached.node_state == "Healthy"
+    rig.run_until(T0 + 1)
+    assert rig.quarantined() == []
