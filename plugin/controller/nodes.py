@@ -104,6 +104,11 @@ class Keys:
     def breaker_reset(self) -> str:
         return f"{self.prefix}/breaker-reset"
 
+    @property
+    def out_of_sight(self) -> str:
+        """On the Lease: the Nodes we hold quarantined that the watch no longer shows, for the next leader."""
+        return f"{self.prefix}/quarantined-out-of-sight"
+
     def ours(self) -> tuple[str, ...]:
         """The Node annotations a quarantine writes, and its release removes (all under :attr:`owner`)."""
         return (self.by, self.reason, self.message, self.at, self.owns, self.drained, self.label)

@@ -45,6 +45,7 @@ DRAIN_RECHECK_S = 10.0  # how often a drain looks again at pods it could not evi
 # How often a Node we hold quarantined but no longer see through the watch (it left --node-selector, or a LIST went
 # without it) is read again by name: the only way to learn that it recovered, or that it is gone (404).
 OUT_OF_SIGHT_RECHECK_S = 60.0
+LOST_RETRY_S = 5.0  # a Node the Lease names as ours and out of sight, whose read by name failed: try again soon
 IDLE_WAKE_S = 60.0
 RETRY_INITIAL_S = 1.0  # one Node's back-off after a failed request: 1 s doubling to a minute
 RETRY_MAX_S = 60.0
@@ -160,6 +161,8 @@ class Reconciler:
         self._lease_events: list[dict[str, Any]] = []
         self._breaker_written = ""
         self._reset_flag_used = False  # --reset-breaker acts at the first acquisition only
+        self._out_of_sight_written = ""
+        self._lost: set[str] = set()  # out-of-sight Nodes the Lease names that this process has not read yet
         self._lists = 0  # LISTs fed in (start, resync, after 410): a refused write is tried again after one
         self._eviction_at = 0.0  # when the drain rate allows the next eviction (over all nodes)
         self._stop = threading.Event()
@@ -303,7 +306,15 @@ class Reconciler:
                 # Whatever happened while another replica led (or nobody did), every Node is looked at once.
                 for name in self.gpu_nodes:
                     self._dirty[name] = None
-                state = BreakerState.from_json(self.leader.seen_annotations().get(self._breaker_key))
+                seen = self.leader.seen_annotations()
+                state = BreakerState.from_json(seen.get(self._breaker_key))
+                # Quarantined Nodes outside the selector are in no LIST of ours: the Lease names them, and each is
+                # read by name before anything is decided, so they count against the limit from the start.
+                self._out_of_sight_written = seen.get(self._out_of_sight_key, "")
+                for name in self._out_of_sight_written.split(","):
+                    if name and name not in self.entries:
+                        self._lost.add(name)
+                        self._dirty[name] = None
                 self.breaker = Breaker(self.s.max_quarantined_fraction, state, self.s.max_quarantined_nodes)
                 self._breaker_written = state.to_json()
                 if self.s.reset_breaker and not self._reset_flag_used:
@@ -323,6 +334,10 @@ class Reconciler:
     def _breaker_key(self) -> str:
         # A dry run's breaker counts pretend quarantines: kept apart, so a real leader never starts from it.
         return self.s.keys.breaker + ("-dry-run" if self.s.dry_run else "")
+
+    @property
+    def _out_of_sight_key(self) -> str:
+        return self.s.keys.out_of_sight + ("-dry-run" if self.s.dry_run else "")
 
     # The worker -------------------------------------------------------------------------------------------------
 
@@ -358,13 +373,14 @@ class Reconciler:
         with self._cond:
             while self._timers and self._timers[0][0] <= now:
                 _, name = heapq.heappop(self._timers)
-                if name in self.entries:
+                if name in self.entries or name in self._lost:
                     self._dirty[name] = None
             if not (self.synced and self._leading and self.leader.is_leader()):
                 self._dirty.clear()  # a new leader looks at everything anyway
                 return self._next_timer(now)
             self._check_reset(now)
-            todo = list(self._dirty)
+            # The Nodes the Lease names as ours and out of sight are read first: they count before anyone is decided.
+            todo = sorted(self._dirty, key=lambda n: n not in self._lost)
             self._dirty.clear()
         self._flush_lease_events()
         for name in todo:
@@ -447,21 +463,31 @@ class Reconciler:
     def _decide(self, name: str, now: float) -> None:
         with self._cond:
             e = self.entries.get(name)
-            if e is None:
+            lost = e is None and name in self._lost
+            if e is None and not lost:
                 return
-            stale = not e.watched and (e.read_at is None or now - e.read_at >= OUT_OF_SIGHT_RECHECK_S)
+            stale = lost or (e is not None and not e.watched and
+                             (e.read_at is None or now - e.read_at >= OUT_OF_SIGHT_RECHECK_S))
         if stale:
             try:
                 node = self.api.get_node(name)
-            except ApiFailure:
+            except ApiFailure as exc:
                 self.stats.count(self.stats.api_failures, "get")
+                if lost:
+                    with self._cond:
+                        if exc.status == 404:
+                            self._lost.discard(name)
+                        else:
+                            heapq.heappush(self._timers, (now + LOST_RETRY_S, name))
+                    return
                 raise  # a 404 forgets it (_failed)
             with self._cond:
-                e.read_at = now
+                self._lost.discard(name)
                 if self._store_answer(node):
                     self._dirty.pop(name, None)
                 e = self.entries.get(name)
                 if e is not None and not e.watched:
+                    e.read_at = now
                     heapq.heappush(self._timers, (now + OUT_OF_SIGHT_RECHECK_S, name))
         with self._cond:
             if e is None or name not in self.gpu_nodes:
@@ -478,7 +504,9 @@ class Reconciler:
                 e.blocked_told = False
                 return
             with self._cond:
-                allowed = self.breaker.allows(len(self.quarantined), len(self.gpu_nodes))
+                # A Node the Lease names as ours but not read yet counts as quarantined until it is.
+                allowed = self.breaker.allows(len(self.quarantined) + len(self._lost),
+                                              len(self.gpu_nodes) + len(self._lost))
             if allowed:
                 self._quarantine(e, a, now)
                 e.blocked_told = False
@@ -655,6 +683,10 @@ class Reconciler:
         if raw != self._breaker_written:
             self.leader.set_annotation(self._breaker_key, raw)  # rides on the next renewal: no request of its own
             self._breaker_written = raw
+        names = ",".join(sorted({n for n, e in self.entries.items() if not e.watched and e.ours} | self._lost))
+        if names != self._out_of_sight_written:
+            self.leader.set_annotation(self._out_of_sight_key, names)
+            self._out_of_sight_written = names
 
     def _check_reset(self, now: float) -> None:
         token = self.leader.annotations().get(self.s.keys.breaker_reset, "")

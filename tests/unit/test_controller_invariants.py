@@ -427,11 +427,9 @@ class ControllerMachine(RuleBasedStateMachine):
         self._step_all()
 
     def _restartable(self) -> int | None:
-        # Known limits (docs/fleet.md): a fresh process lists through the selector, so it cannot learn of a Node we
-        # hold outside it; and what an operator took off and put back is known to the running replicas only until
-        # the leader writes it into the record (at once, unless that write fails): a restart before then forgets it.
-        if any(not self._in_selector(self.api.nodes[n]) for n in self._ours()):
-            return None
+        # Known limit (docs/fleet.md): what an operator took off and put back is known to the running replicas only
+        # until the leader writes it into the record (at once, unless that write fails): a restart before then
+        # forgets it. (A Node we hold outside the selector is found through the Lease's out-of-sight list.)
         if any(e.disowned for r in self.replicas for e in r.rec.entries.values()):
             return None
         return next((slot for slot, r in enumerate(self.replicas) if not r.leader), None)

@@ -67,6 +67,28 @@ def test_a_quarantined_node_that_leaves_the_selector_still_counts_and_is_release
     assert rig.taints("n0") == []
 
 
+def test_a_new_leader_finds_the_quarantined_nodes_outside_the_selector_through_the_lease() -> None:
+    # A fresh process lists through --node-selector and would never see a node we quarantined that left it since:
+    # the leader keeps their names on the Lease, and the next one reads them by name.
+    rig = Rig(stock_fleet(), recovery_hold_s=60)
+    gap(rig, "n0", 7)
+    rig.step()
+    rig.rec.delete(rig.node("n0"))  # it left the selector
+    rig.step()
+    fresh = Reconciler(rig.api, rig.settings, rig.lead, clock=rig.clock)
+    fresh.replace([n for name, n in rig.api.nodes.items() if name != "n0"])  # its LIST, without n0
+    rig.rec = fresh
+    fresh.leadership_changed(True)
+    gap(rig, "n1", 6)
+    rig.run_until(T0 + 300)
+    assert "get node n0" in rig.api.calls
+    assert rig.quarantined() == ["n0"]  # n1 waits: n0 still counts, 1 of 10 is the limit
+    assert fresh.counts()["quarantined"] == 1 and fresh.counts()["gpu_nodes"] == 10
+    rig.api.edit("n0", {"status": {"allocatable": {"nvidia.com/gpu": "8"}}})
+    rig.run_until(T0 + 600)
+    assert "n0" not in rig.quarantined()
+
+
 def test_a_quarantined_node_missing_from_a_relist_still_counts() -> None:
     rig = Rig(stock_fleet(), recovery_hold_s=60)
     gap(rig, "n0", 7)
