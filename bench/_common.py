@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import statistics
-from collections.abc import Sequence
+import subprocess
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 
@@ -60,10 +62,50 @@ def compiled_env(repo: Path) -> dict[str, str]:
     Without this, a machine that sets PYTHONDONTWRITEBYTECODE (this one does) compiles every module of ours at every
     start, and the compiler's garbage shows up as about 1 MiB of RSS that no DaemonSet pays. The bytecode lands in
     the usual, git-ignored __pycache__ directories."""
-    import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     subprocess.run([sys.executable, "-m", "compileall", "-q", "plugin", "api"], cwd=repo, env=env, check=True,
                    stdout=subprocess.DEVNULL)
     return env
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def simulated_plugin(repo: Path, metrics: bool = True) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """The real plugin process on a simulated 8-GPU node, registered with a kubelet stand-in, its modules
+    byte-compiled as in the image: (process, metrics port). Stopped, and its files removed, on the way out."""
+    import sys
+    import tempfile
+
+    from plugin.devtools.standin import KubeletStandin
+    from tests.conftest import NodeFile
+
+    with tempfile.TemporaryDirectory(prefix="ghdp-bench-") as tmp:
+        root = Path(tmp)
+        (root / "dev").mkdir()
+        NodeFile(root / "node.json")
+        kubelet = KubeletStandin(root / "dp")
+        kubelet.start()
+        port = free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "plugin", "run", "--backend", "simulated", "--simulated-node",
+             str(root / "node.json"), "--device-plugin-dir", str(root / "dp"), "--state-dir", str(root / "state"),
+             "--dev-root", str(root), "--log-level", "warning", "--correlate-on", "none",
+             "--metrics-address", f"127.0.0.1:{port}" if metrics else "off"],
+            cwd=repo, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=compiled_env(repo))
+        try:
+            assert kubelet.wait_for(lambda: kubelet.capacity() == (8, 8), 30), "plugin did not register"
+            yield proc, port
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(10)
+            kubelet.stop()

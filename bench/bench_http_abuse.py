@@ -28,9 +28,7 @@ import argparse
 import json
 import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,9 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench._common import compiled_env, machine, rss_mib, thread_count  # noqa: E402
-from plugin.devtools.standin import KubeletStandin  # noqa: E402
-from tests.conftest import NodeFile  # noqa: E402
+from bench._common import machine, rss_mib, simulated_plugin, thread_count  # noqa: E402
 
 # The flood of the issue (slow and huge heads, and silent connections), then the same with pipelining non-readers.
 SCENARIOS = {"slow_huge_silent": ("slow", "huge", "silent"), "with_pipelining_hogs": ("slow", "huge", "silent", "hog")}
@@ -134,82 +130,57 @@ def scrape(port: int) -> float | None:
     return time.perf_counter() - t0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run(repo: Path, kinds: tuple[str, ...], connections: int, seconds: float, huge_mib: float,
         scrape_every: float) -> dict[str, object]:
-    with tempfile.TemporaryDirectory(prefix="ghdp-bench-") as tmp:
-        root = Path(tmp)
-        (root / "dev").mkdir()
-        NodeFile(root / "node.json")
-        kubelet = KubeletStandin(root / "dp")
-        kubelet.start()
-        port = free_port()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "plugin", "run", "--backend", "simulated", "--simulated-node",
-             str(root / "node.json"), "--device-plugin-dir", str(root / "dp"), "--state-dir", str(root / "state"),
-             "--dev-root", str(root), "--log-level", "warning", "--correlate-on", "none",
-             "--metrics-address", f"127.0.0.1:{port}"],
-            cwd=repo, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=compiled_env(repo))
-        try:
-            assert kubelet.wait_for(lambda: kubelet.capacity() == (8, 8), 30), "plugin did not register"
-            for _ in range(20):  # warm: the first scrapes import and size what they need
-                scrape(port)
-            time.sleep(2.0)
-            before, threads_before = rss_mib(proc.pid), thread_count(proc.pid)
-            peak, peak_threads = before, threads_before
-            flood = Flood(port, connections, int(huge_mib * 1024 * 1024), kinds)
-            until = time.monotonic() + seconds
-            attacker = threading.Thread(target=flood.run, args=(until,), daemon=True)
-            attacker.start()
-            latencies: list[float] = []
-            failed = 0
-            next_scrape = time.monotonic() + 0.5  # let the flood fill every slot first
-            while time.monotonic() < until and proc.poll() is None:
-                try:
-                    peak = max(peak, rss_mib(proc.pid))
-                    peak_threads = max(peak_threads, thread_count(proc.pid))
-                except (FileNotFoundError, ProcessLookupError):
-                    break
-                if time.monotonic() >= next_scrape:
-                    took = scrape(port)
-                    if took is None:
-                        failed += 1
-                    else:
-                        latencies.append(took)
-                    next_scrape = time.monotonic() + scrape_every
-                time.sleep(0.05)
-            attacker.join(30)
-            survived = proc.poll() is None
-            after = final = None
-            if survived:
-                time.sleep(1.0)
-                after = round(rss_mib(proc.pid), 1)
-                final_s = scrape(port)
-                final = None if final_s is None else round(final_s * 1000, 1)
-            ms = [v * 1000 for v in latencies]
-            return {
-                "kinds": list(kinds), "connections": connections, "seconds": seconds,
-                "huge_mib_per_connection": huge_mib,
-                "flood_connections_opened": flood.opened, "flood_connects_refused": flood.refused,
-                "rss_mib": {"before": round(before, 1), "peak": round(peak, 1), "after": after,
-                            "growth_peak": round(peak - before, 1)},
-                "threads": {"before": threads_before, "peak": peak_threads},
-                "scrape_during_flood": {"n": len(ms), "failed": failed,
-                                        "median_ms": round(statistics.median(ms), 1) if ms else None,
-                                        "max_ms": round(max(ms), 1) if ms else None},
-                "scrape_after_flood_ms": final,
-                "survived": survived, "exit_code": proc.returncode,
-            }
-        finally:
-            if proc.poll() is None:
-                proc.terminate()
-                proc.wait(10)
-            kubelet.stop()
+    with simulated_plugin(repo) as (proc, port):
+        for _ in range(20):  # warm: the first scrapes import and size what they need
+            scrape(port)
+        time.sleep(2.0)
+        before, threads_before = rss_mib(proc.pid), thread_count(proc.pid)
+        peak, peak_threads = before, threads_before
+        flood = Flood(port, connections, int(huge_mib * 1024 * 1024), kinds)
+        until = time.monotonic() + seconds
+        attacker = threading.Thread(target=flood.run, args=(until,), daemon=True)
+        attacker.start()
+        latencies: list[float] = []
+        failed = 0
+        next_scrape = time.monotonic() + 0.5  # let the flood fill every slot first
+        while time.monotonic() < until and proc.poll() is None:
+            try:
+                peak = max(peak, rss_mib(proc.pid))
+                peak_threads = max(peak_threads, thread_count(proc.pid))
+            except (FileNotFoundError, ProcessLookupError):
+                break
+            if time.monotonic() >= next_scrape:
+                took = scrape(port)
+                if took is None:
+                    failed += 1
+                else:
+                    latencies.append(took)
+                next_scrape = time.monotonic() + scrape_every
+            time.sleep(0.05)
+        attacker.join(30)
+        survived = proc.poll() is None
+        after = final = None
+        if survived:
+            time.sleep(1.0)
+            after = round(rss_mib(proc.pid), 1)
+            final_s = scrape(port)
+            final = None if final_s is None else round(final_s * 1000, 1)
+        ms = [v * 1000 for v in latencies]
+        return {
+            "kinds": list(kinds), "connections": connections, "seconds": seconds,
+            "huge_mib_per_connection": huge_mib,
+            "flood_connections_opened": flood.opened, "flood_connects_refused": flood.refused,
+            "rss_mib": {"before": round(before, 1), "peak": round(peak, 1), "after": after,
+                        "growth_peak": round(peak - before, 1)},
+            "threads": {"before": threads_before, "peak": peak_threads},
+            "scrape_during_flood": {"n": len(ms), "failed": failed,
+                                    "median_ms": round(statistics.median(ms), 1) if ms else None,
+                                    "max_ms": round(max(ms), 1) if ms else None},
+            "scrape_after_flood_ms": final,
+            "survived": survived, "exit_code": proc.returncode,
+        }
 
 
 def main() -> int:

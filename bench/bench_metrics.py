@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -29,9 +27,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench._common import compiled_env, cpu_seconds, machine, rss_mib, summary_ms  # noqa: E402
+from bench._common import cpu_seconds, machine, rss_mib, simulated_plugin, summary_ms  # noqa: E402
 from plugin.devices.simulated import SimulatedBackend  # noqa: E402
-from plugin.devtools.standin import KubeletStandin  # noqa: E402
 from plugin.health.config import HealthConfig  # noqa: E402
 from plugin.health.monitor import Monitor  # noqa: E402
 from plugin.health.node_state import NodeState  # noqa: E402
@@ -103,50 +100,26 @@ def scrape_cost(n: int) -> dict[str, object]:
                 "p50_ratio_metrics_to_collector": round(sm["p50_ms"] / si["p50_ms"], 2)}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def idle_run(metrics: bool, idle_s: float, scrape_every_s: float | None) -> dict[str, object]:
-    with tempfile.TemporaryDirectory(prefix="ghdp-bench-") as tmp:
-        root = Path(tmp)
-        (root / "dev").mkdir()
-        NodeFile(root / "node.json")
-        kubelet = KubeletStandin(root / "dp")
-        kubelet.start()
-        port = free_port()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "plugin", "run", "--backend", "simulated", "--simulated-node",
-             str(root / "node.json"), "--device-plugin-dir", str(root / "dp"), "--state-dir", str(root / "state"),
-             "--dev-root", str(root), "--log-level", "warning", "--correlate-on", "none",
-             "--metrics-address", f"127.0.0.1:{port}" if metrics else "off"],
-            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=compiled_env(REPO))
-        try:
-            assert kubelet.wait_for(lambda: kubelet.capacity() == (8, 8), 30), "plugin did not register"
-            time.sleep(2.0)  # start-up work (imports, first polls) is not idle time
-            rss = rss_mib(proc.pid)
-            c0, t0 = cpu_seconds(proc.pid), time.monotonic()
-            scrapes = 0
-            if scrape_every_s:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-                while time.monotonic() - t0 < idle_s:
-                    conn.request("GET", "/metrics")
-                    conn.getresponse().read()
-                    scrapes += 1
-                    time.sleep(scrape_every_s)
-                conn.close()
-            else:
-                time.sleep(idle_s)
-            cpu = cpu_seconds(proc.pid) - c0
-            wall = time.monotonic() - t0
-        finally:
-            proc.terminate()
-            proc.wait(10)
-            kubelet.stop()
-        return {"metrics": metrics, "scrapes": scrapes, "seconds": round(wall, 1),
-                "cpu_pct_of_one_core": round(100 * cpu / wall, 3), "rss_after_start_mib": round(rss, 1)}
+    with simulated_plugin(REPO, metrics) as (proc, port):
+        time.sleep(2.0)  # start-up work (imports, first polls) is not idle time
+        rss = rss_mib(proc.pid)
+        c0, t0 = cpu_seconds(proc.pid), time.monotonic()
+        scrapes = 0
+        if scrape_every_s:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            while time.monotonic() - t0 < idle_s:
+                conn.request("GET", "/metrics")
+                conn.getresponse().read()
+                scrapes += 1
+                time.sleep(scrape_every_s)
+            conn.close()
+        else:
+            time.sleep(idle_s)
+        cpu = cpu_seconds(proc.pid) - c0
+        wall = time.monotonic() - t0
+    return {"metrics": metrics, "scrapes": scrapes, "seconds": round(wall, 1),
+            "cpu_pct_of_one_core": round(100 * cpu / wall, 3), "rss_after_start_mib": round(rss, 1)}
 
 
 def main() -> int:

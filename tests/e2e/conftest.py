@@ -188,6 +188,17 @@ class Local:
         lc.spawn(lay, "kubelet", argv)
 
 
+def until(what: str, check: Callable[[], Any], timeout: float = 60) -> Any:
+    """Polls a condition the API offers no watch for in kubectl's terms (a field inside a list, an Event)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"{what}: never happened"
+        time.sleep(0.3)
+
+
 class NodeWatch:
     """Every value of one field of the Node, as a `kubectl get --watch` sees them, recorded in the background."""
 

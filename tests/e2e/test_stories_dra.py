@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import NS, Local
+from tests.e2e.conftest import NS, Local, until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -45,14 +44,7 @@ def _device(local: Local, index: int) -> dict[str, Any]:
 
 
 def _until(what: str, check: Callable[[], Any], timeout: float = 60) -> Any:
-    """Polls a condition the API offers no watch for in kubectl's terms (a field inside a list)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"{what}: never happened"
-        time.sleep(0.3)
+    return until(what, check, timeout)
 
 
 def _taint(local: Local, index: int) -> dict[str, Any] | None:

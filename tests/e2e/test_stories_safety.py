@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import Local
+from tests.e2e.conftest import Local, until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -40,14 +40,7 @@ FAKES = ("fake-gpu-a", "fake-gpu-b", "fake-gpu-c")
 
 
 def _until(what: str, check: Callable[[], Any], timeout: float = 90) -> Any:
-    """Polls what kubectl offers no watch for (a field inside a list, an Event)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"{what}: never happened"
-        time.sleep(0.5)
+    return until(what, check, timeout)
 
 
 def _clean_node(local: Local) -> None:

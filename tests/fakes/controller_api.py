@@ -355,3 +355,23 @@ class FakeLeadership:
     def set_annotation(self, key: str, value: str) -> None:
         self.set_calls.append((key, value))
         self.lease_annotations[key] = value
+
+
+def controller_sample(rec: Any, family: str, **labels: str) -> float:
+    """One sample of the controller's metrics for a reconciler alone (no watcher, an elector that leads), as a
+    scrape would read it."""
+    from plugin.controller.metrics import ControllerCollector
+
+    class Watcher:
+        failures = lists = events = 0
+
+    class Elector:
+        failures = 0
+
+        def is_leader(self) -> bool:
+            return True
+
+    for f in ControllerCollector(rec, Watcher(), Elector()).collect():  # type: ignore[arg-type]
+        if f.name == family:
+            return float(next(s.value for s in f.samples if s.labels == labels))
+    raise AssertionError(f"no {family}")

@@ -13,7 +13,7 @@ from plugin.controller.nodes import Keys
 from plugin.controller.policy import Rules
 from plugin.controller.reconciler import Reconciler, Settings
 from tests.conftest import FakeClock
-from tests.fakes.controller_api import T0, FakeControllerApi, FakeLeadership, P, gpu_node, rfc
+from tests.fakes.controller_api import T0, FakeControllerApi, FakeLeadership, P, controller_sample, gpu_node, rfc
 
 KEYS = Keys(P)
 
@@ -207,8 +207,6 @@ def test_the_cap_is_named_in_the_reason_and_kept_in_the_state() -> None:
 
 
 def test_the_reconciler_keeps_to_the_cap_and_its_metrics_show_it() -> None:
-    from plugin.controller.metrics import ControllerCollector
-
     clock = FakeClock(T0)
     api = FakeControllerApi()
     for i in range(100):
@@ -223,15 +221,5 @@ def test_the_reconciler_keeps_to_the_cap_and_its_metrics_show_it() -> None:
     [opened] = [e for e in api.events if e["involvedObject"]["kind"] == "Lease"]
     assert "--max-quarantined-nodes 3" in opened["message"]
 
-    class Watcher:
-        failures = lists = events = 0
-
-    class Elector:
-        failures = 0
-
-        def is_leader(self) -> bool:
-            return True
-
-    families = {f.name: f for f in ControllerCollector(rec, Watcher(), Elector()).collect()}  # type: ignore[arg-type]
-    assert families["gpu_health_controller_quarantine_limit"].samples[0].value == 3
-    assert families["gpu_health_controller_quarantine_max_nodes"].samples[0].value == 3
+    assert controller_sample(rec, "gpu_health_controller_quarantine_limit") == 3
+    assert controller_sample(rec, "gpu_health_controller_quarantine_max_nodes") == 3

@@ -12,7 +12,7 @@ from typing import Any
 from plugin.controller.breaker import OPEN, BreakerState
 from plugin.controller.reconciler import Reconciler
 from plugin.outlets.kubeapi import ApiFailure
-from tests.fakes.controller_api import T0, P, gpu_node, rfc
+from tests.fakes.controller_api import T0, P, controller_sample, gpu_node, rfc
 from tests.unit.test_controller_reconciler import Rig
 
 NO_GPUS = {"status": {"capacity": {"nvidia.com/gpu": None}, "allocatable": {"nvidia.com/gpu": None}}}
@@ -198,22 +198,7 @@ def test_reset_breaker_closes_the_breaker_once_per_process_not_per_leadership() 
 
 
 def sample(rig: Rig, family: str, **labels: str) -> float:
-    """One sample of the controller's metrics, as a scrape would read it."""
-    from plugin.controller.metrics import ControllerCollector
-
-    class Watcher:
-        failures = lists = events = 0
-
-    class Elector:
-        failures = 0
-
-        def is_leader(self) -> bool:
-            return True
-
-    for f in ControllerCollector(rig.rec, Watcher(), Elector()).collect():  # type: ignore[arg-type]
-        if f.name == family:
-            return next(s.value for s in f.samples if s.labels == labels)
-    raise AssertionError(f"no {family}")
+    return controller_sample(rig.rec, family, **labels)
 
 
 def flapping(rig: Rig, name: str, until: float, every: float = 5.0) -> None:

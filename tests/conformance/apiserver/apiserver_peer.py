@@ -29,7 +29,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -442,3 +442,18 @@ class ApiServerPeer:
         if not result.ok:
             raise AssertionError(f"create node {name}: HTTP {result.status} {result.message}")
         return result.body
+
+
+def wait_until(predicate: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
+    """Polls another process's informers (the authorizer's, an admission plugin's): there is no event to wait on.
+    Returns the predicate's first true value."""
+    deadline = time.monotonic() + timeout
+    delay = 0.05
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(delay)
+        delay = min(delay * 1.5, 1.0)

@@ -18,7 +18,6 @@ import random
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from plugin.health.node_state import NodeState
 from plugin.health.reasons import State
 from plugin.outlets.kube import KubeReporter, ReporterSettings
 from plugin.outlets.kubeapi import KubeClient
+from tests.conformance.apiserver.apiserver_peer import wait_until
 from tests.conftest import FakeClock
 from tests.fakes.node_devices import Node
 
@@ -44,19 +44,6 @@ POD_A = "gpu-health-device-plugin-ann-a"
 P = "gpu-health.io"
 FOREIGN = {"example.com/owner": "ops-team"}
 T0 = 1_767_225_600.0
-
-
-def wait_until(predicate: Any, what: str, timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    delay = 0.05
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(delay)  # polling another process's informers: there is no event to wait on
-        delay = min(delay * 1.5, 1.0)
 
 
 def can_i(apiserver: Any, token: str, verb: str, resource: str, subresource: str = "") -> bool:

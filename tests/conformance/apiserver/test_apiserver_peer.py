@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.conformance.apiserver.apiserver_peer import wait_until
 
 pytestmark = [pytest.mark.conformance, pytest.mark.slow]
 
@@ -58,19 +59,6 @@ def get_node(apiserver, node):
     result = apiserver.request("GET", f"/api/v1/nodes/{node}")
     assert result.ok, result.message
     return result.body
-
-
-def wait_until(predicate, what, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    delay = 0.05
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(delay)
-        delay = min(delay * 1.5, 1.0)
 
 
 def assert_denied(result, *fragments):

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import copy
 import json
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+
+from tests.conformance.apiserver.apiserver_peer import wait_until
 
 pytestmark = [pytest.mark.conformance]
 
@@ -38,16 +39,6 @@ RESTRICTED_NS = "controller-manifests-restricted"
 
 def _key(obj: dict[str, Any]) -> tuple[str, str]:
     return obj["kind"], obj["metadata"]["name"]
-
-
-def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    delay = 0.05
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(delay)  # the authorizer's RBAC informers: there is no event to wait on
-        delay = min(delay * 1.5, 1.0)
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import copy
 import random
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ from plugin.outlets import resourceslices as rs
 from plugin.outlets.kubeapi import KubeClient
 from plugin.outlets.kubecommon import DEFAULT_PREFIX
 from plugin.outlets.slicewriter import SliceWriter
-from tests.conformance.apiserver.apiserver_peer import ApiServerPeer, PeerStartError
+from tests.conformance.apiserver.apiserver_peer import ApiServerPeer, PeerStartError, wait_until
 from tests.conftest import FakeClock
 from tests.fakes.node_devices import status
 
@@ -53,19 +52,6 @@ SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 T0 = 1_767_225_600.0
 GPUS = [s.gpu for s in parse_node(builtin_node())]
 BETAS = ("v1beta1", "v1beta2")
-
-
-def wait_until(predicate: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    delay = 0.05
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(delay)  # the authorizer's and the admission plugin's informers: there is no event to wait on
-        delay = min(delay * 1.5, 1.0)
 
 
 def our_slice(node: str, **changes: Any) -> dict[str, Any]:
