@@ -149,6 +149,7 @@ class Reconciler:
         self.gpu_nodes: set[str] = set()
         self.quarantined: set[str] = set()
         self.candidates: set[str] = set()
+        self.out_of_sight: set[str] = set()  # quarantined by us, no longer shown by the watch: read by name
         self.breaker = Breaker(settings.max_quarantined_fraction, max_nodes=settings.max_quarantined_nodes)
         self.stats = Stats()
         self.synced = False
@@ -164,6 +165,7 @@ class Reconciler:
         self._out_of_sight_written = ""
         self._lost: set[str] = set()  # out-of-sight Nodes the Lease names that this process has not read yet
         self._lists = 0  # LISTs fed in (start, resync, after 410): a refused write is tried again after one
+        self._listed: set[str] = set()  # the Nodes the LIST under way has named so far
         self._eviction_at = 0.0  # when the drain rate allows the next eviction (over all nodes)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -174,7 +176,7 @@ class Reconciler:
         """A LIST starts: its pages follow as they arrive (each page's JSON is let go once its facts are kept)."""
         with self._cond:
             self._lists += 1  # a resync: a write refused for good gets one more try (see _store)
-            self._listed: set[str] = set()  # the Nodes this LIST has named so far
+            self._listed = set()
 
     def list_page(self, nodes: list[dict[str, Any]]) -> None:
         with self._cond:
@@ -270,6 +272,7 @@ class Reconciler:
         if e is not None and e.ours:
             if e.watched:
                 e.watched, e.read_at = False, None
+                self._count(name)
                 self._dirty[name] = None
             return
         self._drop(name)
@@ -277,7 +280,7 @@ class Reconciler:
     def _drop(self, name: str) -> None:
         self.entries.pop(name, None)
         self._dirty.pop(name, None)
-        for s in (self.gpu_nodes, self.quarantined, self.candidates):
+        for s in (self.gpu_nodes, self.quarantined, self.candidates, self.out_of_sight):
             s.discard(name)
 
     def _count(self, name: str) -> None:
@@ -290,11 +293,12 @@ class Reconciler:
             if not e.watched:
                 self._drop(name)  # released (or its record removed) while out of sight: no longer ours to track
                 return
-            for s in (self.gpu_nodes, self.quarantined, self.candidates):
+            for s in (self.gpu_nodes, self.quarantined, self.candidates, self.out_of_sight):
                 s.discard(name)
             return
         self.gpu_nodes.add(name)
         (self.quarantined.add if q else self.quarantined.discard)(name)
+        (self.out_of_sight.add if q and not e.watched else self.out_of_sight.discard)(name)
         (self.candidates.add if e.assessment.reason and not q else self.candidates.discard)(name)
 
     # Leadership -------------------------------------------------------------------------------------------------
@@ -683,7 +687,7 @@ class Reconciler:
         if raw != self._breaker_written:
             self.leader.set_annotation(self._breaker_key, raw)  # rides on the next renewal: no request of its own
             self._breaker_written = raw
-        names = ",".join(sorted({n for n, e in self.entries.items() if not e.watched and e.ours} | self._lost))
+        names = ",".join(sorted(self.out_of_sight | self._lost))
         if names != self._out_of_sight_written:
             self.leader.set_annotation(self._out_of_sight_key, names)
             self._out_of_sight_written = names
