@@ -57,8 +57,9 @@ from bench._common import cpu_seconds, machine, rss_mib  # noqa: E402
 from plugin.devices.model import Gpu  # noqa: E402
 from plugin.health.node_state import DeviceStatus, Snapshot, Transition  # noqa: E402
 from plugin.health.reasons import Action, KubeletHealth, Reason, Source, State  # noqa: E402
+from plugin.kube.events import rfc3339  # noqa: E402
+from plugin.kube.names import COMPONENT, DEFAULT_PREFIX  # noqa: E402
 from plugin.outlets.annotations import desired_annotations, merge_patch  # noqa: E402
-from plugin.outlets.kubecommon import COMPONENT, DEFAULT_PREFIX, rfc3339  # noqa: E402
 from scripts import gobuild  # noqa: E402
 from tests.conformance.apiserver import _binaries  # noqa: E402
 from tests.conformance.apiserver.apiserver_peer import ApiServerPeer  # noqa: E402

@@ -10,7 +10,7 @@ their heartbeats):
   its diff-base annotation on every node, Events for handler outcomes);
 - lightkube: ``Client.list(Node)``, then ``Client.watch(Node)`` from the list's version, and a JSON merge patch from
   the loop; lightkube-watch: the watch alone (no LIST), as lightkube's examples start one;
-- stdlib: our ``plugin.outlets.kubeapi.KubeClient`` for the patch, plus a minimal LIST + streaming WATCH on
+- stdlib: our ``plugin.kube.client.KubeClient`` for the patch, plus a minimal LIST + streaming WATCH on
   ``http.client`` written here (the client has no watch yet).
 
 For each: time to sync, the requests it made while starting (from the audit log, by its own service account),
@@ -134,7 +134,7 @@ def controller_lightkube_watch(kubeconfig: Path, expect: int) -> None:
 
 def controller_stdlib(kubeconfig: Path, expect: int) -> None:
     sys.path.insert(0, str(REPO))
-    from plugin.outlets.kubeapi import MERGE_PATCH, ApiFailure, KubeClient
+    from plugin.kube.client import MERGE_PATCH, ApiFailure, KubeClient
 
     client = KubeClient(kubeconfig, component="bench-stdlib")
     cache: dict[str, tuple[str | None, list[dict[str, Any]]]] = {}

@@ -49,7 +49,7 @@ sys.path.insert(0, str(REPO))
 from bench._common import compiled_env, cpu_seconds, machine, pct, rss_mib  # noqa: E402
 from bench._fleet import NAMESPACE, Fleet  # noqa: E402
 from plugin.controller.api import LIST_PAGE, KubeControllerApi  # noqa: E402
-from plugin.outlets.kubeapi import ApiFailure, KubeClient  # noqa: E402
+from plugin.kube.client import ApiFailure, KubeClient  # noqa: E402
 
 TAINT = "gpu-health.io/quarantine"
 LEASE = "gpu-health-controller"

@@ -36,7 +36,7 @@ from plugin.kubelet.allocation import AllocationConfig  # noqa: E402
 from plugin.kubelet.resources import WholeGpus  # noqa: E402
 from plugin.kubelet.supervisor import Supervisor  # noqa: E402
 from plugin.outlets.metrics import MetricsServer, Probes, Sources, build_registry  # noqa: E402
-from plugin.outlets.metrics.exposition import encode_text  # noqa: E402
+from plugin.serve.exposition import encode_text  # noqa: E402
 from tests.conftest import NodeFile  # noqa: E402
 
 

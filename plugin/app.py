@@ -84,8 +84,8 @@ def make_reporter(cfg: Config, state: NodeState) -> KubeReporter | None:
         return None
     if not wanted:
         return None
+    from plugin.kube.client import KubeClient
     from plugin.outlets.kube import KubeReporter, ReporterSettings
-    from plugin.outlets.kubeapi import KubeClient
     settings = ReporterSettings(
         node_name=cfg.node_name, prefix=cfg.annotation_prefix, annotations=cfg.annotations, events=cfg.events,
         condition=cfg.node_condition, condition_type=cfg.node_condition_type, debounce_s=cfg.report_debounce,
@@ -104,8 +104,8 @@ def make_correlator(cfg: Config, state: NodeState, resources: Sequence[Resource]
         # health and reason (the kubelet's health stream), so there is nothing to correlate.
         log.info("pod correlation off in DRA mode: pod status carries each device's health (docs/dra.md)")
         return None
+    from plugin.kube.client import KubeClient
     from plugin.outlets.correlation import CorrelationSettings, Correlator, PodResourcesClient
-    from plugin.outlets.kubeapi import KubeClient
     settings = CorrelationSettings(
         states=frozenset(cfg.correlate_on), resources=tuple(resources), node_name=cfg.node_name,
         annotate=cfg.annotate_pods, evict=cfg.remediate == "evict", annotation_prefix=cfg.annotation_prefix)
@@ -115,7 +115,7 @@ def make_correlator(cfg: Config, state: NodeState, resources: Sequence[Resource]
 
 def make_dra(cfg: Config, state: NodeState, alloc: AllocationConfig, clock: Callable[[], float]) -> DraMode:
     from plugin.dra.mode import DraMode, DraSettings
-    from plugin.outlets.kubeapi import ApiFailure, KubeClient
+    from plugin.kube.client import ApiFailure, KubeClient
     settings = DraSettings(
         node_name=cfg.node_name, plugin_dir=cfg.dra_plugin_dir, registry_dir=cfg.dra_registry_dir,
         cdi_dir=cfg.cdi_spec_dir, state_dir=cfg.state_dir, dev_dir=alloc.dev_dir,

@@ -23,8 +23,8 @@ from typing import Any
 from plugin.controller import fleetview
 from plugin.controller.nodes import CONTROLLER
 from plugin.health.reasons import State
+from plugin.kube.names import DEFAULT_PREFIX
 from plugin.outlets.annotations import STATE_KEY, DeviceEntry, parse_node
-from plugin.outlets.kubecommon import DEFAULT_PREFIX
 from plugin.validation import check_prefix, is_dns_subdomain
 
 STATES = tuple(s.value for s in State)

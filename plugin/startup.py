@@ -137,7 +137,7 @@ def check_paths(cfg: Config) -> None:
     """Every path option, checked before anything serves, so a bad one is one line at start (exit 1)."""
     if cfg.mode == "dra":
         from plugin.dra.server import DRA_SOCKET, registration_socket_name
-        from plugin.outlets.resourceslices import DRIVER
+        from plugin.dra.slices import DRIVER
 
         # The kubelet's device-plugin directory is not ours to use in DRA mode; these three are.
         for name in ("dra_plugin_dir", "dra_registry_dir", "cdi_spec_dir"):

@@ -16,7 +16,7 @@ Where each part comes from:
 
 Helm 3 checks values against draft-07; every fixed set of keys is closed (additionalProperties: false), so a typo
 fails `helm install` with the path of the bad value before anything reaches the cluster.
-tests/unit/test_gen_docs.py runs --check; tests/unit/test_chart_schema.py tests the schema itself.
+tests/docs/test_gen_docs.py runs --check; tests/artifacts/test_chart_schema.py tests the schema itself.
 """
 
 from __future__ import annotations

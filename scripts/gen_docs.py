@@ -12,7 +12,7 @@
 The health and sharing sections are parsed by code, not declared by a table, so the keys they accept are read back
 from the parsers themselves (their "unknown key (known: ...)" answer). Every accepted key must have a description
 below, and every described key must be accepted: either mismatch stops the generator with the key's name, so a new
-key cannot ship undocumented. tests/unit/test_gen_docs.py runs --check.
+key cannot ship undocumented. tests/docs/test_gen_docs.py runs --check.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """helm, built from its Go module (charts/go/helm) once per version through scripts/gobuild.py and cached
 beside the other Go binaries (~/.cache/gpu-health-device-plugin/helm-<version>-<hash>/helm).
 
-The chart's tests (tests/unit/test_chart.py, tests/e2e) and anyone without a helm of their own use it:
+The chart's tests (tests/artifacts/test_chart.py, tests/e2e) and anyone without a helm of their own use it:
 
     python3 scripts/helm.py          # build or reuse it, print its path
     "$(python3 scripts/helm.py)" template gpu-health-device-plugin charts/gpu-health-device-plugin

@@ -1,5 +1,5 @@
 """The API calls the controller makes, one method per verb and resource, over the project's own client
-(plugin/outlets/kubeapi.py). The reconciler and the watcher depend on the :class:`ControllerApi` protocol, the
+(plugin/kube/client.py). The reconciler and the watcher depend on the :class:`ControllerApi` protocol, the
 leader elector on its Lease part, :class:`LeaseApi`.
 
 The Node LIST comes one page at a time, each fetched only when the one before has been used: a real GPU node's
@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple, Protocol
 from urllib.parse import quote
 
-from plugin.outlets.kubeapi import JSON, MERGE_PATCH, KubeClient
+from plugin.kube.client import JSON, MERGE_PATCH, KubeClient
 
 # Nodes per LIST page. A page's raw answer, its text and its parsed JSON are alive together while it is read: at
 # 5,000 real-sized Nodes a LIST in pages of 100 peaked at 80 MiB of RSS, in pages of 500 (the API server's own chunk

@@ -17,7 +17,7 @@ from typing import Any
 from plugin.controller.config import ControllerConfig
 from plugin.controller.nodes import CONTROLLER, Keys, gpu_count
 from plugin.health.reasons import State
-from plugin.outlets.kubecommon import DEFAULT_PREFIX
+from plugin.kube.names import DEFAULT_PREFIX
 
 DEFAULT_NAMESPACE = ControllerConfig.namespace
 DEFAULT_LEASE = ControllerConfig.lease_name

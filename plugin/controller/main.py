@@ -20,7 +20,7 @@ from plugin.controller.nodes import CONTROLLER, Keys
 from plugin.controller.policy import Rules
 from plugin.controller.reconciler import Reconciler, Settings
 from plugin.controller.watcher import NodeWatcher
-from plugin.outlets.kubeapi import ApiFailure, KubeClient
+from plugin.kube.client import ApiFailure, KubeClient
 
 log = logging.getLogger("plugin.controller")
 
@@ -60,9 +60,9 @@ class Controller:
                                    resync_s=cfg.resync_interval_s)
         self.metrics = None
         if cfg.metrics_address != "off":
-            from plugin.outlets.metrics.exposition import Registry
-            from plugin.outlets.metrics.process import ProcessCollector
-            from plugin.outlets.metrics.server import MetricsServer
+            from plugin.serve.exposition import Registry
+            from plugin.serve.http import MetricsServer
+            from plugin.serve.process import ProcessCollector
 
             registry = Registry()
             registry.register(ControllerCollector(self.reconciler, self.watcher, self.leader))

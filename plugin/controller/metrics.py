@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from plugin.controller.leader import LeaderElector
 from plugin.controller.reconciler import Reconciler
 from plugin.controller.watcher import NodeWatcher
-from plugin.outlets.metrics.exposition import CounterFamily, Family, GaugeFamily
+from plugin.serve.exposition import CounterFamily, Family, GaugeFamily
 
 P = "gpu_health_controller_"
 

@@ -35,8 +35,8 @@ from plugin.controller.nodes import (
     facts_of,
 )
 from plugin.controller.policy import Assessment, Rules, assess
-from plugin.outlets.kubeapi import ApiFailure
-from plugin.outlets.kubecommon import Involved, event_body, rfc3339
+from plugin.kube.client import ApiFailure
+from plugin.kube.events import Involved, event_body, rfc3339
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from plugin.atomicfile import fsync_dir, write_atomic
+from plugin.dra.slices import DRIVER
 from plugin.kubelet.allocation import CONTROL_NODES, OPTIONAL_NODES
-from plugin.outlets.resourceslices import DRIVER
 
 # A UID as the API server makes them (RFC 4122 text; hex of either case, as the RFC reads it). Nothing else may
 # become part of a file name: a UID with "/" or ".." in it would name a file outside the spec dir.

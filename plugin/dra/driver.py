@@ -31,10 +31,10 @@ from api.dra.v1beta1 import api_pb2 as v1beta1_pb2
 from api.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
 from plugin.dra import cdi
 from plugin.dra.checkpoint import Checkpoint, CheckpointError, CheckpointUnreadable, PreparedClaim, PreparedDevice
+from plugin.dra.slices import DRIVER, SliceSettings, allocatable, device_names, device_plan
 from plugin.health.node_state import DeviceStatus, NodeState
+from plugin.kube.client import ApiFailure, ClaimApi
 from plugin.outlets.annotations import top_reasons
-from plugin.outlets.kubeapi import ApiFailure, ClaimApi
-from plugin.outlets.resourceslices import DRIVER, SliceSettings, allocatable, device_names, device_plan
 
 log = logging.getLogger(__name__)
 

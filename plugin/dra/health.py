@@ -22,10 +22,10 @@ from api.drahealth.v1 import api_pb2 as v1_pb2
 from api.drahealth.v1 import api_pb2_grpc as v1_grpc
 from api.drahealth.v1alpha1 import api_pb2 as v1alpha1_pb2
 from api.drahealth.v1alpha1 import api_pb2_grpc as v1alpha1_grpc
+from plugin.dra.slices import DRIVER, device_names
 from plugin.health.node_state import NodeState, Snapshot
 from plugin.health.reasons import State
 from plugin.outlets.annotations import top_reasons
-from plugin.outlets.resourceslices import DRIVER, device_names
 from plugin.sockets import client_left
 from plugin.validation import FieldError
 

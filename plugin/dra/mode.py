@@ -14,10 +14,10 @@ from pathlib import Path
 from plugin.dra.driver import Driver
 from plugin.dra.health import HealthSettings
 from plugin.dra.server import DraServer
+from plugin.dra.slices import DRIVER, SliceSettings
+from plugin.dra.slicewriter import SliceWriter
 from plugin.health.node_state import NodeState
-from plugin.outlets.kubeapi import ClaimApi, SliceApi
-from plugin.outlets.resourceslices import DRIVER, SliceSettings
-from plugin.outlets.slicewriter import SliceWriter
+from plugin.kube.client import ClaimApi, SliceApi
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ from api.pluginregistration.v1 import api_pb2_grpc as registration_grpc
 from plugin.dra.driver import Driver, add_dra_services
 from plugin.dra.health import HealthServicers, HealthSettings, add_health_services
 from plugin.dra.registration import RegistrationServicer
+from plugin.dra.slices import DRIVER
 from plugin.health.node_state import NodeState
-from plugin.outlets.resourceslices import DRIVER
 from plugin.sockets import UnixGrpcServer
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 from plugin.health.node_state import ABSENT, DeviceStatus, Snapshot, Transition
 from plugin.health.reasons import ACTIONS, Reason, State
-from plugin.outlets.kubecommon import DEFAULT_PREFIX, rfc3339
+from plugin.kube.events import rfc3339
+from plugin.kube.names import DEFAULT_PREFIX
 from plugin.validation import is_qualified_name
 
 SCHEMA_VERSION = "v1"

@@ -14,8 +14,8 @@ from typing import Any
 
 from plugin.health.node_state import Snapshot
 from plugin.health.reasons import State
+from plugin.kube.events import rfc3339, truncate
 from plugin.outlets.annotations import device_names, top_reasons
-from plugin.outlets.kubecommon import rfc3339, truncate
 
 
 @dataclass(frozen=True)

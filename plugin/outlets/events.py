@@ -16,8 +16,8 @@ from typing import Any
 
 from plugin.health.node_state import ABSENT, Transition
 from plugin.health.reasons import State
+from plugin.kube.events import Involved, event_body, rfc3339, truncate
 from plugin.outlets.annotations import top_reasons
-from plugin.outlets.kubecommon import Involved, event_body, rfc3339, truncate
 
 BAD_STATES = frozenset({State.DEGRADED.value, State.UNHEALTHY.value, State.UNKNOWN.value})
 

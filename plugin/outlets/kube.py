@@ -30,6 +30,8 @@ from typing import Any, Literal
 
 from plugin.backoff import Backoff
 from plugin.health.node_state import NodeState, Snapshot, Transition
+from plugin.kube.client import ApiFailure, KubeApi, NodeView
+from plugin.kube.names import DEFAULT_PREFIX
 from plugin.outlets.annotations import (
     DEFAULT_MAX_BYTES,
     desired_annotations,
@@ -39,8 +41,7 @@ from plugin.outlets.annotations import (
 )
 from plugin.outlets.condition import DesiredCondition, desired_condition, find_condition
 from plugin.outlets.events import Entry, EventAggregator
-from plugin.outlets.kubeapi import ApiFailure, KubeApi, NodeView
-from plugin.outlets.kubecommon import DEFAULT_PREFIX, Closeable, OutletThread
+from plugin.outlets.worker import Closeable, OutletThread
 
 log = logging.getLogger(__name__)
 

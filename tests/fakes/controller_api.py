@@ -15,7 +15,7 @@ from typing import Any
 
 from plugin.controller.api import NodePage
 from plugin.controller.config import parse_selector, selector_matches
-from plugin.outlets.kubeapi import ApiFailure
+from plugin.kube.client import ApiFailure
 
 P = "gpu-health.io"
 T0 = 1_767_225_600.0  # 2026-01-01T00:00:00Z

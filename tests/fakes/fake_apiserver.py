@@ -1,6 +1,6 @@
 """An HTTP-level fake of the few kube-apiserver endpoints the cluster reporter uses, on loopback.
 
-Real HTTP, so the real client (plugin/outlets/kubeapi.py) and our error handling are what is tested; the real
+Real HTTP, so the real client (plugin/kube/client.py) and our error handling are what is tested; the real
 API server is used by tests/conformance/apiserver/test_annotations*.py. Implemented here:
 
 - ``GET/PATCH /api/v1/nodes/{name}``: JSON merge patch; a ``metadata.resourceVersion`` in the patch is a

@@ -23,6 +23,7 @@ from plugin.devtools.standin import KubeletStandin
 from plugin.health.config import HealthConfig
 from plugin.health.monitor import Monitor
 from plugin.health.node_state import NodeState
+from plugin.kube.client import ApiFailure, PodApi, PodView
 from plugin.kubelet.resources import WholeGpus
 from plugin.outlets.correlation import (
     CorrelationSettings,
@@ -31,7 +32,6 @@ from plugin.outlets.correlation import (
     PodResourcesClient,
     PodResourcesError,
 )
-from plugin.outlets.kubeapi import ApiFailure, PodApi, PodView
 from tests.conftest import NodeFile
 from tests.fakes.podresources import PodResourcesServer
 from tests.integration.conftest import make_config

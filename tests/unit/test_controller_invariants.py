@@ -33,7 +33,7 @@ from plugin.controller.breaker import limit_for
 from plugin.controller.nodes import CONTROLLER, Keys, facts_of
 from plugin.controller.policy import Rules
 from plugin.controller.reconciler import OUT_OF_SIGHT_RECHECK_S, Reconciler, Settings
-from plugin.outlets.kubeapi import ApiFailure
+from plugin.kube.client import ApiFailure
 from tests.conftest import FakeClock
 from tests.fakes.controller_api import T0, FakeControllerApi, P, gpu_node
 from tests.unit.test_controller_reconciler import agent

@@ -22,11 +22,11 @@ from typing import Any
 import pytest
 import yaml
 
+from plugin.dra import slices as rs
 from plugin.dra.driver import ClaimRef, Driver
 from plugin.dra.health import HealthSettings, device_health
 from plugin.health.node_state import NodeState
 from plugin.health.reasons import KubeletHealth, State
-from plugin.outlets import resourceslices as rs
 from tests.fakes.node_devices import gpu, status
 
 ROOT = Path(__file__).resolve().parents[2]

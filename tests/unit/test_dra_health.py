@@ -7,9 +7,9 @@ from dataclasses import replace
 import pytest
 
 from plugin.dra.health import HEALTH_SERVICE_NAMES, MESSAGE_MAX, DeviceReport, HealthSettings, device_health
+from plugin.dra.slices import device_names
 from plugin.health.node_state import NodeState
 from plugin.health.reasons import Action, Reason, Source, State
-from plugin.outlets.resourceslices import device_names
 from plugin.validation import FieldError
 from tests.fakes.node_devices import Node, gpu, status
 

@@ -27,12 +27,12 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from plugin.dra import slices as rs
 from plugin.dra.driver import ClaimRef, Driver
 from plugin.dra.health import HealthSettings, device_health
+from plugin.dra.slicewriter import SliceWriter
 from plugin.health.node_state import NodeState
 from plugin.health.reasons import KubeletHealth, State
-from plugin.outlets import resourceslices as rs
-from plugin.outlets.slicewriter import SliceWriter
 from tests.conftest import FakeClock
 from tests.fakes.node_devices import gpu, status
 from tests.unit.test_dra_allocatable import CODES, FakeClaims, scheduler_allocates

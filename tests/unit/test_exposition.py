@@ -35,7 +35,7 @@ from plugin.kubelet.supervisor import Supervisor
 from plugin.outlets.correlation import CorrelationStats
 from plugin.outlets.kube import ReporterStatus
 from plugin.outlets.metrics import Sources, build_registry
-from plugin.outlets.metrics.exposition import (
+from plugin.serve.exposition import (
     ALLOW_UTF8,
     DOTS,
     UNDERSCORES,
@@ -48,7 +48,7 @@ from plugin.outlets.metrics.exposition import (
     encode_text,
     go_float,
 )
-from plugin.outlets.metrics.process import PlatformCollector, ProcessCollector, python_info
+from plugin.serve.process import PlatformCollector, ProcessCollector, python_info
 from tests.fakes.fake_pynvml import eight_gpu_node
 
 SCHEMES = (UNDERSCORES, ALLOW_UTF8, DOTS, VALUES)

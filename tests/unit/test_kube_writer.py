@@ -18,8 +18,8 @@ from plugin.app import make_reporter
 from plugin.config import load
 from plugin.health.node_state import NodeState
 from plugin.health.reasons import State
+from plugin.kube.client import ApiFailure, KubeClient
 from plugin.outlets.kube import KubeReporter, ReporterSettings
-from plugin.outlets.kubeapi import ApiFailure, KubeClient
 from tests.conftest import FakeClock
 from tests.fakes.fake_apiserver import FakeApiServer
 from tests.fakes.node_devices import Node

@@ -1,4 +1,4 @@
-"""The Kubernetes API client (plugin/outlets/kubeapi.py) over real HTTP on loopback: what the server receives for
+"""The Kubernetes API client (plugin/kube/client.py) over real HTTP on loopback: what the server receives for
 each call, how every kind of failure is mapped, the kept-alive connection, and each way of configuring it
 (kubeconfig tokens, client certificates over TLS, the in-cluster service account and its rotating token).
 
@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
-from plugin.outlets import kubeapi
-from plugin.outlets.kubeapi import ApiFailure, KubeClient, NodeView, PodView
+from plugin.kube import client as kubeapi
+from plugin.kube.client import ApiFailure, KubeClient, NodeView, PodView
 from tests.fakes.fake_apiserver import FakeApiServer
 
 FM = "fieldManager=gpu-health-device-plugin"

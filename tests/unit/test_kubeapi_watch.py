@@ -1,4 +1,4 @@
-"""The client's watch and generic request (plugin/outlets/kubeapi.py), used by the fleet controller: a chunked
+"""The client's watch and generic request (plugin/kube/client.py), used by the fleet controller: a chunked
 stream of JSON events read one by one, the server ending it, failures as ApiFailure, close() from another thread
 ending a watch blocked in a read, and query strings as the server receives them. Over real HTTP on loopback."""
 
@@ -14,7 +14,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
-from plugin.outlets.kubeapi import ApiFailure, KubeClient
+from plugin.kube.client import ApiFailure, KubeClient
 
 Handler = Callable[[BaseHTTPRequestHandler], None]
 

@@ -19,6 +19,8 @@ REPO = Path(__file__).resolve().parents[2]
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("plugin", "plugin.atomicfile", "plugin.validation", "plugin.configfile", "plugin.backoff",
               "plugin.sockets", "plugin.logs")),
+    ("kube", ("plugin.kube",)),
+    ("serve", ("plugin.serve",)),
     ("devices", ("plugin.devices",)),
     ("health", ("plugin.health",)),
     ("kubelet", ("plugin.kubelet",)),
@@ -29,22 +31,27 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("app", ("plugin.app", "plugin.startup", "plugin.devtools")),
     ("cli", ("plugin.cli", "plugin.kubectl_plugin", "plugin.__main__")),
 )
+# The infrastructure packages sit beside base, under every domain package: the Kubernetes client (kube) and the
+# HTTP serving with its exposition (serve) know nothing of GPUs, health or either program.
+_INFRA = frozenset({"base", "kube", "serve"})
 _BELOW_KUBELET = frozenset({"base", "devices", "health"})
 # What each layer may import besides itself. kubelet and outlets are siblings: neither may import the other.
 MAY_IMPORT: dict[str, frozenset[str]] = {
     "base": frozenset(),
+    "kube": frozenset({"base"}),
+    "serve": frozenset({"base"}),
     "devices": frozenset({"base"}),
     "health": frozenset({"base", "devices"}),
     "kubelet": _BELOW_KUBELET,
-    "outlets": _BELOW_KUBELET,
+    "outlets": _BELOW_KUBELET | _INFRA,
     # DRA mode serves the kubelet (a kubelet-side job) from what the outlets know of slices and claims.
-    "dra": _BELOW_KUBELET | {"kubelet", "outlets"},
+    "dra": _BELOW_KUBELET | _INFRA | {"kubelet", "outlets"},
     "config": _BELOW_KUBELET | {"kubelet"},
-    # The fleet controller is a program of its own beside the node agent: the API client and metrics of the
-    # outlets, the reason names of health, nothing of the kubelet side or of the agent's config and app.
-    "controller": _BELOW_KUBELET | {"outlets"},
-    "app": _BELOW_KUBELET | {"kubelet", "outlets", "dra", "config"},
-    "cli": _BELOW_KUBELET | {"kubelet", "outlets", "dra", "config", "app", "controller"},
+    # The fleet controller is a program of its own beside the node agent: the shared infrastructure and the reason
+    # names of health, nothing of the agent's kubelet side, outlets, DRA mode, config or app.
+    "controller": _BELOW_KUBELET | _INFRA,
+    "app": _BELOW_KUBELET | _INFRA | {"kubelet", "outlets", "dra", "config"},
+    "cli": _BELOW_KUBELET | _INFRA | {"kubelet", "outlets", "dra", "config", "app", "controller"},
 }
 
 

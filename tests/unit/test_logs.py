@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from plugin import logs
-from plugin.outlets.kubeapi import KubeClient
+from plugin.kube.client import KubeClient
 from tests.fakes.fake_apiserver import FakeApiServer
 
 
@@ -42,7 +42,7 @@ def test_api_requests_are_not_logged_at_info(client: KubeClient, capsys: pytest.
     logs.setup("info", "json")
     client.get_node("n")
     client.patch_node_annotations("n", {"gpu-health.io/state": "Healthy"}, None)
-    logging.getLogger("plugin.outlets.kubeapi").warning("retrying")
+    logging.getLogger("plugin.kube.client").warning("retrying")
     logging.getLogger("plugin.app").info("started")
     err = capsys.readouterr().err
     assert "/api/v1/nodes/n" not in err

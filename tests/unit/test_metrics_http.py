@@ -16,8 +16,9 @@ from types import SimpleNamespace
 import pytest
 
 from plugin.health.node_state import NodeState
-from plugin.outlets.metrics import MetricsServer, Probes, Sources, build_registry, server
-from plugin.outlets.metrics.exposition import Family, GaugeFamily
+from plugin.outlets.metrics import MetricsServer, Probes, Sources, build_registry
+from plugin.serve import http as server
+from plugin.serve.exposition import Family, GaugeFamily
 
 WAIT = 10.0
 
@@ -221,7 +222,7 @@ def errors(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 def test_a_client_that_vanishes_mid_request_costs_nothing(srv: MetricsServer, caplog: pytest.LogCaptureFixture,
                                                           capfd: pytest.CaptureFixture[str]) -> None:
-    caplog.set_level(logging.DEBUG, logger="plugin.outlets.metrics.server")
+    caplog.set_level(logging.DEBUG, logger="plugin.serve.http")
     for partial in (b"GET /metrics HTTP/1.1\r\nAcc", b"GET /met", b"G"):
         with connect(srv) as sock:
             sock.sendall(partial)

@@ -15,9 +15,9 @@ import pytest
 
 from plugin.devices.model import Gpu
 from plugin.devices.simulated import builtin_node, parse_node
+from plugin.dra import slices as rs
 from plugin.health.node_state import DeviceStatus, NodeState
 from plugin.health.reasons import Action, KubeletHealth, Reason, Source, State
-from plugin.outlets import resourceslices as rs
 from plugin.validation import FieldError, is_dns_subdomain, is_qualified_name
 from tests.fakes.node_devices import gpu, status
 

@@ -1,4 +1,4 @@
-"""The ResourceSlice writer (plugin/outlets/slicewriter.py) on a virtual clock, against a fake API server at the edge
+"""The ResourceSlice writer (plugin/dra/slicewriter.py) on a virtual clock, against a fake API server at the edge
 that keeps the slice as a server would: a resourceVersion bumped on every write, 409 for a stale one, 404 for a
 missing object, immutable fields refused, and, when told, taints dropped (the DRADeviceTaints gate off) or the
 whole resource.k8s.io/v1 group not served."""
@@ -15,12 +15,13 @@ from typing import Any
 
 import pytest
 
+from plugin.dra import slices as rs
+from plugin.dra.slicewriter import SliceWriter
 from plugin.health.node_state import NodeState
 from plugin.health.reasons import State
-from plugin.outlets import resourceslices as rs
-from plugin.outlets.kubeapi import ApiFailure, NodeView
-from plugin.outlets.kubecommon import DEFAULT_PREFIX, rfc3339
-from plugin.outlets.slicewriter import SliceWriter
+from plugin.kube.client import ApiFailure, NodeView
+from plugin.kube.events import rfc3339
+from plugin.kube.names import DEFAULT_PREFIX
 from tests.conftest import FakeClock
 from tests.fakes.node_devices import Node
 
@@ -267,7 +268,7 @@ def test_taints_dropped_by_the_server_are_one_warning_and_the_devices_they_kept_
     from pods is left out of the slice until it recovers, at once, not after the next token."""
     h = started()
     h.server.drop_taints = True
-    with caplog.at_level(logging.WARNING, logger="plugin.outlets.slicewriter"):
+    with caplog.at_level(logging.WARNING, logger="plugin.dra.slicewriter"):
         h.set(3, State.UNHEALTHY, "xid-79")
         h.for_(30)
         # The tainted write comes back without taints; the rewrite leaves the device out in the same step.
@@ -293,7 +294,7 @@ def test_an_api_server_without_resource_v1_is_one_error_line_and_retries_at_the_
         caplog: pytest.LogCaptureFixture) -> None:
     h = Harness(server=FakeSliceServer(served=False))
     h.node.publish(T0)
-    with caplog.at_level(logging.INFO, logger="plugin.outlets.slicewriter"):
+    with caplog.at_level(logging.INFO, logger="plugin.dra.slicewriter"):
         h.for_(2)
         first = len(h.server.calls)
         assert h.server.writes() == [("create", 404)]
@@ -325,7 +326,7 @@ def test_failures_back_off_with_one_line_each(caplog: pytest.LogCaptureFixture) 
         return real(name, body)
 
     h.server.update_resource_slice = flaky  # type: ignore[method-assign]
-    with caplog.at_level(logging.WARNING, logger="plugin.outlets.slicewriter"):
+    with caplog.at_level(logging.WARNING, logger="plugin.dra.slicewriter"):
         h.set(0, State.UNHEALTHY, "xid-79")
         h.for_(60)
     updates = [c for c in h.server.calls if c[0] == "update"]

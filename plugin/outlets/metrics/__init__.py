@@ -5,6 +5,6 @@ knows nothing of the App: ``plugin.app`` wires the sources in."""
 
 from plugin.outlets.metrics.collectors import Sources, build_registry, label_code
 from plugin.outlets.metrics.probes import Probes
-from plugin.outlets.metrics.server import MetricsServer
+from plugin.serve.http import MetricsServer
 
 __all__ = ["MetricsServer", "Probes", "Sources", "build_registry", "label_code"]

@@ -14,8 +14,6 @@ from dataclasses import dataclass
 
 from plugin.health.node_state import Snapshot
 from plugin.health.reasons import State
-from plugin.outlets.metrics.exposition import Collector, CounterFamily, Family, GaugeFamily, Registry
-from plugin.outlets.metrics.process import PlatformCollector, ProcessCollector
 from plugin.outlets.metrics.sources import (
     CorrelationCounters,
     MonitorStats,
@@ -24,6 +22,8 @@ from plugin.outlets.metrics.sources import (
     RegistrationSource,
     ReporterCounters,
 )
+from plugin.serve.exposition import Collector, CounterFamily, Family, GaugeFamily, Registry
+from plugin.serve.process import PlatformCollector, ProcessCollector
 
 STATES = tuple(s.value for s in State)
 _CODE_RE = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")

@@ -24,9 +24,9 @@ from plugin.devices.simulated import SimulatedBackend
 from plugin.health.config import HealthConfig
 from plugin.health.monitor import Monitor
 from plugin.health.node_state import NodeState
+from plugin.kube.client import KubeClient
 from plugin.kubelet.resources import WholeGpus
 from plugin.outlets.correlation import CorrelationSettings, Correlator, PodResourcesClient
-from plugin.outlets.kubeapi import KubeClient
 from tests.conftest import NodeFile
 from tests.fakes.podresources import PodResourcesServer
 

@@ -5,7 +5,7 @@ DRA mode's grant (components/dra/rbac.yaml) lets the plugin's account create, up
 in the cluster; the policy confines that to the slice of the plugin's own node and driver. Here the grant is
 bound as shipped (its rules and the base ClusterRole's, bound to a service account of the plugin's name in a
 namespace of this module's own) and the policy is applied as shipped. The plugin's own writer
-(plugin/outlets/slicewriter.py, with its real client) creates, updates and deletes node A's slice through a token
+(plugin/dra/slicewriter.py, with its real client) creates, updates and deletes node A's slice through a token
 bound to a Pod on node A, as the kubelet projects it; every write of another node's slice, of another driver's,
 of a slice spread over nodes, under another node's pool or name, or without a node association, is refused with a
 message naming the node or driver, and the stored slices stay as they were; through the beta versions of the API
@@ -24,12 +24,12 @@ import pytest
 import yaml
 
 from plugin.devices.simulated import builtin_node, parse_node
+from plugin.dra import slices as rs
+from plugin.dra.slicewriter import SliceWriter
 from plugin.health.node_state import NodeState
 from plugin.health.reasons import State
-from plugin.outlets import resourceslices as rs
-from plugin.outlets.kubeapi import KubeClient
-from plugin.outlets.kubecommon import DEFAULT_PREFIX
-from plugin.outlets.slicewriter import SliceWriter
+from plugin.kube.client import KubeClient
+from plugin.kube.names import DEFAULT_PREFIX
 from tests.conformance.apiserver.apiserver_peer import ApiServerPeer, PeerStartError, wait_until
 from tests.conftest import FakeClock
 from tests.fakes.node_devices import status

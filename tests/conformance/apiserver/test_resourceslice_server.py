@@ -19,12 +19,13 @@ import pytest
 
 from plugin.devices.model import Gpu
 from plugin.devices.simulated import builtin_node, parse_node
+from plugin.dra import slices as rs
+from plugin.dra.slicewriter import SliceWriter
 from plugin.health.node_state import DeviceStatus, NodeState
 from plugin.health.reasons import State
-from plugin.outlets import resourceslices as rs
-from plugin.outlets.kubeapi import ApiFailure, KubeClient, NodeView
-from plugin.outlets.kubecommon import DEFAULT_PREFIX, rfc3339
-from plugin.outlets.slicewriter import SliceWriter
+from plugin.kube.client import ApiFailure, KubeClient, NodeView
+from plugin.kube.events import rfc3339
+from plugin.kube.names import DEFAULT_PREFIX
 from tests.conftest import FakeClock
 from tests.fakes.node_devices import status
 

@@ -46,7 +46,7 @@ from plugin.validation import FieldError
 from scripts import helm as helm_build
 from tests.conformance.apiserver import _binaries as binaries
 from tests.conformance.skips import build_or_skip
-from tests.unit.test_manifests import _plugin_config, find, render, strict_problems
+from tests.artifacts.test_manifests import _plugin_config, find, render, strict_problems
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "gpu-health-device-plugin"
@@ -74,7 +74,7 @@ def helm() -> Path:
 
 @pytest.fixture(scope="module")
 def kubectl() -> Path:
-    """kubectl with kustomize, from the conformance build cache (as tests/unit/test_manifests.py)."""
+    """kubectl with kustomize, from the conformance build cache (as tests/artifacts/test_manifests.py)."""
     t = binaries.KUBECTL
     return build_or_skip(t.module, t.package, t.name, {"CGO_ENABLED": "0"}, version=t.version, ldflags=t.ldflags)
 

@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Iterable
 
-from plugin.outlets.metrics.exposition import CounterFamily, Family, GaugeFamily
+from plugin.serve.exposition import CounterFamily, Family, GaugeFamily
 
 
 def _sysconf(name: str, default: int) -> int:

@@ -34,11 +34,7 @@ from typing import Any
 
 from plugin.backoff import Backoff
 from plugin.devices.model import Gpu
-from plugin.health.node_state import DeviceStatus, NodeState
-from plugin.outlets.kube import WriteScheduler
-from plugin.outlets.kubeapi import ApiFailure, SliceApi
-from plugin.outlets.kubecommon import Closeable, OutletThread
-from plugin.outlets.resourceslices import (
+from plugin.dra.slices import (
     SliceSettings,
     desired_slice,
     gpu_statuses,
@@ -48,6 +44,10 @@ from plugin.outlets.resourceslices import (
     taints_dropped,
     update_body,
 )
+from plugin.health.node_state import DeviceStatus, NodeState
+from plugin.kube.client import ApiFailure, SliceApi
+from plugin.outlets.kube import WriteScheduler
+from plugin.outlets.worker import Closeable, OutletThread
 
 log = logging.getLogger(__name__)
 

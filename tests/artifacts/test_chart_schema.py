@@ -1,5 +1,5 @@
 """The chart's values.schema.json (built by scripts/gen_chart_schema.py, written and checked current by
-scripts/gen_docs.py and tests/unit/test_gen_docs.py): it accepts
+scripts/gen_docs.py and tests/docs/test_gen_docs.py): it accepts
 the shipped values.yaml and exactly its keys, agrees with the config parsers on good and bad values, and helm
 refuses a bad value naming its path."""
 

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from plugin.outlets.metrics.exposition import Collector, choose_encoder
+from plugin.serve.exposition import Collector, choose_encoder
 from plugin.validation import split_host_port
 
 log = logging.getLogger(__name__)

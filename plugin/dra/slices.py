@@ -39,8 +39,9 @@ from typing import Any
 from plugin.devices.model import Gpu
 from plugin.health.node_state import DeviceStatus
 from plugin.health.reasons import KubeletHealth, State
+from plugin.kube.events import rfc3339
+from plugin.kube.names import COMPONENT, DEFAULT_PREFIX
 from plugin.outlets.annotations import top_reasons
-from plugin.outlets.kubecommon import COMPONENT, DEFAULT_PREFIX, rfc3339
 from plugin.validation import FieldError, check_prefix, is_dns_subdomain
 
 DRIVER = "gpu.gpu-health.io"

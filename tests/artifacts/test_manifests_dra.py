@@ -11,9 +11,9 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from plugin.outlets.resourceslices import DRIVER
+from plugin.dra.slices import DRIVER
 from scripts.localcluster import cluster as lc
-from tests.unit.test_manifests import (
+from tests.artifacts.test_manifests import (
     MANIFESTS,
     NAME,
     NAMESPACE,

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import quote, urlencode, urlsplit
 
-from plugin.outlets.kubecommon import COMPONENT
+from plugin.kube.names import COMPONENT
 
 if TYPE_CHECKING:
     import http.client
