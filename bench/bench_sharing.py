@@ -43,8 +43,9 @@ from plugin.kubelet import allocation  # noqa: E402
 from plugin.kubelet.allocation import AllocationConfig  # noqa: E402
 from plugin.kubelet.resources import DeviceResource  # noqa: E402
 from plugin.kubelet.server import DevicePluginServicer  # noqa: E402
-from plugin.kubelet.sharing import build_resources, parse_sharing  # noqa: E402
+from plugin.kubelet.sharing import build_resources  # noqa: E402
 from plugin.kubelet.supervisor import PluginServer, plugin_options  # noqa: E402
+from plugin.sharing.config import parse_sharing  # noqa: E402
 from tests.listandwatch import field_by_field  # noqa: E402
 
 

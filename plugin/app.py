@@ -18,9 +18,10 @@ from plugin.health.monitor import Monitor
 from plugin.health.node_state import NodeState
 from plugin.health.store import StateStore
 from plugin.kubelet.allocation import AllocationConfig
-from plugin.kubelet.sharing import build_resources, profiles_of
+from plugin.kubelet.sharing import build_resources
 from plugin.kubelet.supervisor import Supervisor
 from plugin.outlets.health_api import HealthServer
+from plugin.sharing.model import profiles_of
 from plugin.startup import StartupError, check_paths, claim_state_dir
 
 # The optional outlets are imported by their factories, only when the config turns them on: an outlet that is off

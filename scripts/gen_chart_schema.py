@@ -36,7 +36,7 @@ import yaml  # noqa: E402
 from plugin.config import options as plugin_options  # noqa: E402
 from plugin.controller import config as ctl  # noqa: E402
 from plugin.health.reasons import KubeletHealth, State  # noqa: E402
-from plugin.kubelet.sharing import MAX_REPLICAS, MIG_STRATEGIES, POLICIES  # noqa: E402
+from plugin.sharing.config import MAX_REPLICAS, MIG_STRATEGIES, POLICIES  # noqa: E402
 from plugin.validation import _REASON_CODE_RE, Choice, parse_bool  # noqa: E402
 from scripts import gen_docs  # noqa: E402
 

@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 from plugin import config as config_mod  # noqa: E402
 from plugin.health.config import HealthConfig, parse_health  # noqa: E402
 from plugin.health.reasons import REASONS, State  # noqa: E402
-from plugin.kubelet.sharing import parse_sharing  # noqa: E402
+from plugin.sharing.config import parse_sharing  # noqa: E402
 
 CONFIG_MD = REPO / "docs" / "config.md"
 REASONS_MD = REPO / "docs" / "reasons.md"

@@ -2,7 +2,7 @@
 
 ``options`` holds the ``Config`` fields and the option table derived from them; ``load`` reads the file and merges
 the sources. The file's ``health`` section is parsed beside ``HealthConfig`` (plugin/health/config.py) and its
-``sharing`` section beside the sharing types (plugin/kubelet/sharing.py). A bad value names the field and the CLI
+``sharing`` section beside the sharing types (plugin/sharing/config.py). A bad value names the field and the CLI
 exits 2. ``docs/config.md`` is generated from this schema.
 """
 

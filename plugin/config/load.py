@@ -11,8 +11,8 @@ from typing import Any
 from plugin.config.options import OPTIONS, Config, ConfigError
 from plugin.configfile import read_document
 from plugin.health.config import parse_health
-from plugin.kubelet.sharing import parse_sharing
-from plugin.kubelet.sharing import validate as validate_sharing
+from plugin.sharing.config import parse_sharing
+from plugin.sharing.config import validate as validate_sharing
 from plugin.validation import first_key
 
 CONFIG_VERSION = "v1"

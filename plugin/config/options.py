@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from plugin.health.config import HealthConfig
-from plugin.kubelet.sharing import MIG_STRATEGIES, SharingConfig
+from plugin.sharing.config import MIG_STRATEGIES, SharingConfig
 from plugin.validation import (
     Choice,
     FieldError,

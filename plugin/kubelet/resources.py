@@ -18,21 +18,12 @@ from typing import Protocol
 from api.deviceplugin.v1beta1 import api_pb2
 from plugin.health.node_state import DeviceStatus, Snapshot
 from plugin.kubelet.allocation import AllocationError, preferred, preferred_gpus, preferred_replicas
+from plugin.sharing.model import POOL_ALL_GPUS, POOL_SINGLE, POOL_UNPARTITIONED, Selection, pool_profile
 
 log = logging.getLogger(__name__)
 
 REPLICA_SEP = "::"
 MAX_DEVICE_ID = 63  # the kubelet's limit on a device ID
-
-POOL_ALL_GPUS = "gpus"  # every physical GPU, partitioned or not (MIG strategy none)
-POOL_UNPARTITIONED = "unpartitioned"  # physical GPUs without MIG slices (the base resource of strategy mixed)
-POOL_SINGLE = "single"  # MIG slices, and GPUs without any (strategy single)
-_MIG_POOL = "mig:"
-
-
-def mig_pool(profile: str) -> str:
-    """The pool of MIG slices of one profile (strategy mixed: one resource per profile)."""
-    return _MIG_POOL + profile
 
 
 def in_pool(pool: str, d: DeviceStatus) -> bool:
@@ -42,8 +33,9 @@ def in_pool(pool: str, d: DeviceStatus) -> bool:
         return d.mig is None and not d.gpu.mig_devices
     if pool == POOL_SINGLE:
         return d.mig is not None or not d.gpu.mig_devices
-    if pool.startswith(_MIG_POOL):
-        return d.mig is not None and d.mig.profile == pool[len(_MIG_POOL):]
+    profile = pool_profile(pool)
+    if profile is not None:
+        return d.mig is not None and d.mig.profile == profile
     raise ValueError(f"unknown device pool {pool!r}")
 
 
@@ -54,30 +46,15 @@ class KubeletDevice:
     numa_node: int | None
 
 
-@dataclass(frozen=True)
-class Selection:
-    """Which devices of a pool: all (both fields None), the first ``count`` in node order, or ``ids`` (GPU
-    indices, GPU UUIDs (with every MIG slice of that GPU) or MIG UUIDs)."""
-
-    count: int | None = None
-    ids: tuple[int | str, ...] | None = None
-
-    @property
-    def is_all(self) -> bool:
-        return self.count is None and self.ids is None
-
-    def describe(self) -> str | int | list[int | str]:
-        if self.count is not None:
-            return self.count
-        return "all" if self.ids is None else list(self.ids)
-
-    def chosen(self, members: Sequence[DeviceStatus]) -> set[str]:
-        if self.count is not None:
-            return {d.id for d in members[:self.count]}
-        if self.ids is None:
-            return {d.id for d in members}
-        wanted = set(self.ids)
-        return {d.id for d in members if d.gpu.index in wanted or d.id in wanted or d.gpu.uuid in wanted}
+def _chosen(selection: Selection, members: Sequence[DeviceStatus]) -> set[str]:
+    """The IDs of the pool's members a selection names: the first ``count``, or those whose GPU index, GPU UUID
+    or own ID is listed."""
+    if selection.count is not None:
+        return {d.id for d in members[:selection.count]}
+    if selection.ids is None:
+        return {d.id for d in members}
+    wanted = set(selection.ids)
+    return {d.id for d in members if d.gpu.index in wanted or d.id in wanted or d.gpu.uuid in wanted}
 
 
 @dataclass(frozen=True)
@@ -91,7 +68,7 @@ class Part:
         pool = [d for d in snap.devices if in_pool(self.pool, d)]
         if self.selection.is_all:
             return [] if self.invert else pool
-        chosen = self.selection.chosen(pool)
+        chosen = _chosen(self.selection, pool)
         return [d for d in pool if (d.id in chosen) != self.invert]
 
 

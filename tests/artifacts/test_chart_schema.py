@@ -19,7 +19,7 @@ import yaml
 from plugin.config import options as plugin_options
 from plugin.controller import config as ctl
 from plugin.health.config import HealthConfig, parse_health
-from plugin.kubelet.sharing import parse_sharing
+from plugin.sharing.config import parse_sharing
 from plugin.validation import FieldError
 from scripts import gen_chart_schema, gen_docs
 from scripts import helm as helm_build

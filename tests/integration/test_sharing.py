@@ -14,7 +14,7 @@ import pytest
 from api.deviceplugin.v1beta1 import api_pb2
 from plugin.app import App
 from plugin.devtools.standin import KubeletStandin
-from plugin.kubelet.sharing import parse_sharing
+from plugin.sharing.config import parse_sharing
 from tests.conftest import NodeFile
 from tests.integration.conftest import Env, make_config
 from tests.unit.test_resources import mig_node

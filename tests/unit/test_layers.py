@@ -23,6 +23,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("serve", ("plugin.serve",)),
     ("devices", ("plugin.devices",)),
     ("health", ("plugin.health",)),
+    ("sharing", ("plugin.sharing",)),
     ("kubelet", ("plugin.kubelet",)),
     ("outlets", ("plugin.outlets",)),
     ("dra", ("plugin.dra",)),
@@ -42,16 +43,19 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "serve": frozenset({"base"}),
     "devices": frozenset({"base"}),
     "health": frozenset({"base", "devices"}),
-    "kubelet": _BELOW_KUBELET,
+    # The sharing concept (the section, its pools and selections) knows devices, not the kubelet that serves it,
+    # so the config can hold it without reaching into the kubelet side.
+    "sharing": frozenset({"base", "devices"}),
+    "kubelet": _BELOW_KUBELET | {"sharing"},
     "outlets": _BELOW_KUBELET | _INFRA,
     # DRA mode serves the kubelet (a kubelet-side job) from what the outlets know of slices and claims.
     "dra": _BELOW_KUBELET | _INFRA | {"kubelet", "outlets"},
-    "config": _BELOW_KUBELET | {"kubelet"},
+    "config": _BELOW_KUBELET | {"sharing"},
     # The fleet controller is a program of its own beside the node agent: the shared infrastructure and the reason
     # names of health, nothing of the agent's kubelet side, outlets, DRA mode, config or app.
     "controller": _BELOW_KUBELET | _INFRA,
-    "app": _BELOW_KUBELET | _INFRA | {"kubelet", "outlets", "dra", "config"},
-    "cli": _BELOW_KUBELET | _INFRA | {"kubelet", "outlets", "dra", "config", "app", "controller"},
+    "app": _BELOW_KUBELET | _INFRA | {"sharing", "kubelet", "outlets", "dra", "config"},
+    "cli": _BELOW_KUBELET | _INFRA | {"sharing", "kubelet", "outlets", "dra", "config", "app", "controller"},
 }
 
 
@@ -221,6 +225,14 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
     ({"plugin/config/options.py": "from plugin.outlets.annotations import check\n",
       "plugin/outlets/annotations.py": "check = 1\n"},
      "plugin.config.options:1 imports plugin.outlets.annotations: config may not import outlets"),
+    # config reaching into the kubelet side for the sharing section (it once did: the section lives in sharing/)
+    ({"plugin/config/load.py": "from plugin.kubelet.sharing import parse_sharing\n",
+      "plugin/kubelet/sharing.py": "parse_sharing = 1\n"},
+     "plugin.config.load:1 imports plugin.kubelet.sharing: config may not import kubelet"),
+    # the sharing concept reaching up into the kubelet that serves it
+    ({"plugin/sharing/model.py": "from plugin.kubelet.resources import DeviceResource\n",
+      "plugin/kubelet/resources.py": "DeviceResource = 1\n"},
+     "plugin.sharing.model:1 imports plugin.kubelet.resources: sharing may not import kubelet"),
     # a module outside every layer
     ({"plugin/stray.py": ""}, "plugin.stray: in no layer"),
 ])

@@ -21,8 +21,10 @@ from plugin.health.node_state import NodeState
 from plugin.kubelet.allocation import AllocationConfig
 from plugin.kubelet.resources import DeviceResource
 from plugin.kubelet.server import DevicePluginServicer
-from plugin.kubelet.sharing import build_resources, parse_sharing, profiles_of
+from plugin.kubelet.sharing import build_resources
 from plugin.kubelet.supervisor import plugin_options
+from plugin.sharing.config import parse_sharing
+from plugin.sharing.model import profiles_of
 from tests.conftest import NodeFile
 from tests.listandwatch import field_by_field
 

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from plugin.config import ConfigError, load
-from plugin.kubelet.resources import Selection
-from plugin.kubelet.sharing import SharingError, build_resources, parse_sharing, validate
+from plugin.kubelet.sharing import build_resources
+from plugin.sharing.config import SharingError, parse_sharing, validate
+from plugin.sharing.model import Selection
 
 FULL = """\
 version: v1

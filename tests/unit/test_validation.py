@@ -7,7 +7,7 @@ import pytest
 
 from plugin import validation
 from plugin.config import ConfigError, load
-from plugin.kubelet.sharing import SharingError, parse_sharing
+from plugin.sharing.config import SharingError, parse_sharing
 from plugin.validation import (
     FieldError,
     check_condition_type,
