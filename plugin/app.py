@@ -157,15 +157,16 @@ class App:
         else:
             self.supervisor = Supervisor(cfg.device_plugin_dir, list(self.resources), self.state, alloc,
                                          self.stop)
-        self.health_server = HealthServer(cfg.health_socket_path, self.state)
         # Cluster reporting (node annotations, Events, node condition): None without a node name.
         self.kube_reporter = make_reporter(cfg, self.state)
-        if self.kube_reporter is not None:
-            self.health_server.servicer.outlet_errors = self.kube_reporter.outlet_errors
+        self.health_server = HealthServer(
+            cfg.health_socket_path, self.state,
+            outlet_errors=self.kube_reporter.outlet_errors if self.kube_reporter is not None else dict)
         # Pods on failing devices (PodResources -> Events, annotations, evictions); None with --correlate-on none.
         self.correlator = make_correlator(cfg, self.state, self.resources)
         # /metrics, /healthz, /readyz; None with --metrics-address off.
-        self.metrics_server = make_metrics_server(self)
+        self.metrics_server = make_metrics_server(cfg, self.state, self.monitor, self.backend, self.supervisor,
+                                                  self.dra, self.kube_reporter, self.correlator)
         # False while a successor waits for the state dir (start(active=False)); shutdown stops only what started.
         self.active = False
 
@@ -241,19 +242,19 @@ class App:
         self.backend.close()
 
 
-def make_metrics_server(app: App) -> MetricsServer | None:
+def make_metrics_server(cfg: Config, state: NodeState, monitor: Monitor, backend: Backend,
+                        supervisor: Supervisor | None, dra: DraMode | None, reporter: KubeReporter | None,
+                        correlator: Correlator | None) -> MetricsServer | None:
     """/metrics, /healthz and /readyz as the config asks (None with ``--metrics-address off``), with a collector for
-    each part of the App that exists: an outlet that is off has no series."""
-    cfg = app.cfg
+    each part that exists: an outlet that is off has no series."""
     if cfg.metrics_address == "off":
         return None
     from plugin.outlets.metrics import MetricsServer, Probes, Sources, build_registry
-    reporter, correlator = app.kube_reporter, app.correlator
-    sources = Sources(app.state, app.monitor, backend=_nvml(app.backend), supervisor=app.supervisor,
+    sources = Sources(state, monitor, backend=_nvml(backend), supervisor=supervisor,
                       annotations=reporter.status if reporter is not None else None,
                       correlation=(lambda: correlator.stats) if correlator is not None else None)
-    probes = Probes(app.monitor, app.supervisor if app.supervisor is not None else app.dra, cfg.stall_threshold,
-                    clock=app.monitor.clock)
+    probes = Probes(monitor, supervisor if supervisor is not None else dra, cfg.stall_threshold,
+                    clock=monitor.clock)
     return MetricsServer(cfg.metrics_address, build_registry(sources), probes)
 
 

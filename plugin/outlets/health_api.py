@@ -39,11 +39,11 @@ def transition_pb(t: Transition) -> health_pb2.Transition:
 
 
 class HealthServicer(health_pb2_grpc.DeviceHealthServicer):
-    def __init__(self, state: NodeState) -> None:
+    def __init__(self, state: NodeState, outlet_errors: Callable[[], Mapping[str, str]] = dict) -> None:
         self.state = state
         self.closed = threading.Event()
-        # Set by App: failing outlets (e.g. the API-server writer) by name, shown in List and Watch snapshots.
-        self.outlet_errors: Callable[[], Mapping[str, str]] = dict
+        # Failing outlets (e.g. the API-server writer) by name, shown in List and Watch snapshots; read at each one.
+        self.outlet_errors = outlet_errors
 
     def close(self) -> None:
         self.closed.set()
@@ -78,9 +78,10 @@ class HealthServicer(health_pb2_grpc.DeviceHealthServicer):
 
 
 class HealthServer:
-    def __init__(self, socket_path: Path, state: NodeState, max_workers: int = 16) -> None:
+    def __init__(self, socket_path: Path, state: NodeState, max_workers: int = 16,
+                 outlet_errors: Callable[[], Mapping[str, str]] = dict) -> None:
         self.path = socket_path
-        self.servicer = HealthServicer(state)
+        self.servicer = HealthServicer(state, outlet_errors)
         # 0660: for the node's admins group, not the world; born so at its final path, umask untouched (bind_unix).
         self._grpc = UnixGrpcServer(socket_path, 0o660,
                                     lambda s: health_pb2_grpc.add_DeviceHealthServicer_to_server(self.servicer, s),
