@@ -1,7 +1,8 @@
 """The local cluster's Go binaries, built once per version through scripts/gobuild.py and cached beside
 the conformance peers (~/.cache/gpu-health-device-plugin/<name>-<version>-<hash>/).
 
-    kube-apiserver, kubectl, etcd   the API-server peer's own targets (tests/conformance/apiserver/_binaries.py)
+    kube-apiserver, kubectl, etcd,  the API-server peer's targets (scripts/kubebinaries.py)
+      testpki
     kubelet, kube-scheduler,        go/kube: k8s.io/kubernetes/cmd/..., the same release
       kube-controller-manager
     containerd, ctr,                go/containerd: containerd 2.x
@@ -14,7 +15,6 @@ the conformance peers (~/.cache/gpu-health-device-plugin/<name>-<version>-<hash>
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -22,37 +22,23 @@ REPO = HERE.parent.parent
 if not __package__:  # run as a script (see above): make the repository's packages importable
     sys.path.insert(0, str(REPO))
 
-from scripts import gobuild  # noqa: E402
-
-# The API-server peer's target table, so the cluster and the conformance tests share one cache entry per binary.
-from tests.conformance.apiserver import _binaries as peer  # noqa: E402
+# The API-server peer's targets and builder, so the cluster and the conformance tests share one cache entry per
+# binary.
+from scripts import kubebinaries as peer  # noqa: E402
+from scripts.kubebinaries import KUBE_LDFLAGS, KUBERNETES_VERSION, BuildErrors, Target, build  # noqa: E402
 
 CONTAINERD_VERSION = "v2.4.2"
 RUNC_VERSION = "v1.2.6"
-
-KUBERNETES_VERSION = peer.KUBERNETES_VERSION
-
-
-@dataclass(frozen=True)
-class Target:
-    name: str
-    module: Path
-    package: str
-    version: str
-    ldflags: str = "-s -w"
-    cgo: bool = False
-    tags: tuple[str, ...] = ()
-
 
 _KUBE = HERE / "go" / "kube"
 _CTRD = HERE / "go" / "containerd"
 _CTRD_LDFLAGS = f"-s -w -X github.com/containerd/containerd/v2/version.Version={CONTAINERD_VERSION}"
 
 TARGETS = (
-    Target("kubelet", _KUBE, "k8s.io/kubernetes/cmd/kubelet", KUBERNETES_VERSION, peer._KUBE_LDFLAGS),
-    Target("kube-scheduler", _KUBE, "k8s.io/kubernetes/cmd/kube-scheduler", KUBERNETES_VERSION, peer._KUBE_LDFLAGS),
+    Target("kubelet", _KUBE, "k8s.io/kubernetes/cmd/kubelet", KUBERNETES_VERSION, KUBE_LDFLAGS),
+    Target("kube-scheduler", _KUBE, "k8s.io/kubernetes/cmd/kube-scheduler", KUBERNETES_VERSION, KUBE_LDFLAGS),
     Target("kube-controller-manager", _KUBE, "k8s.io/kubernetes/cmd/kube-controller-manager", KUBERNETES_VERSION,
-           peer._KUBE_LDFLAGS),
+           KUBE_LDFLAGS),
     Target("containerd", _CTRD, "github.com/containerd/containerd/v2/cmd/containerd", CONTAINERD_VERSION,
            _CTRD_LDFLAGS),
     Target("containerd-shim-runc-v2", _CTRD, "github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2",
@@ -63,21 +49,14 @@ TARGETS = (
            f"-s -w -X main.version={RUNC_VERSION.lstrip('v')}", cgo=True, tags=("seccomp",)),
 )
 
-BuildErrors = peer.BuildErrors
-
-
-def build(target: Target) -> Path:
-    env = {"CGO_ENABLED": "1" if target.cgo else "0"}
-    path: Path = gobuild.build(target.module, target.package, target.name, env, version=target.version,
-                               ldflags=target.ldflags, tags=target.tags)
-    return path
+__all__ = ["KUBERNETES_VERSION", "TARGETS", "BuildErrors", "Target", "build", "build_all"]
 
 
 def build_all(log: bool = False) -> dict[str, Path]:
     """Every binary the cluster runs, by name: the peer's, then ours."""
     paths: dict[str, Path] = {}
     for name, path in peer.build_all().items():
-        paths[name] = Path(path)
+        paths[name] = path
     for target in TARGETS:
         if log:
             print(f"{target.name} {target.version}: building or reusing ...", file=sys.stderr, flush=True)
