@@ -180,6 +180,78 @@ def cycles(g: dict[str, dict[str, int]]) -> list[list[str]]:
     return found
 
 
+def test_plugin_imports_point_down_and_never_cycle() -> None:
+    problems = violations(REPO)
+    assert not problems, "layer contract broken:\n" + "\n".join(problems)
+
+
+def test_the_table_only_lets_layers_import_downwards() -> None:
+    order = [layer for layer, _ in LAYERS]
+    for layer, allowed in MAY_IMPORT.items():
+        assert all(order.index(a) < order.index(layer) for a in allowed), layer
+
+
+def test_every_layer_is_populated() -> None:
+    """A layer whose prefix matches nothing is a stale entry: the contract would pass over a renamed package."""
+    mods = set(graph(REPO, "plugin"))
+    for layer, prefixes in LAYERS:
+        for p in prefixes:
+            assert any(layer_of(m) == layer and (m == p or m.startswith(p + ".")) for m in mods), \
+                f"{layer}: {p} matches no module"
+
+
+def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        p = tmp_path / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    for d in {p.parent for p in tmp_path.rglob("*.py")}:
+        (d / "__init__.py").touch()
+    return tmp_path
+
+
+@pytest.mark.parametrize(("files", "expected"), [
+    # health reaching up into the outlets, inside a function: the cycle-dodging pattern
+    ({"plugin/health/a.py": "def f():\n    from plugin.outlets import b\n", "plugin/outlets/b.py": ""},
+     "plugin.health.a:2 imports plugin.outlets.b: health may not import outlets"),
+    # siblings
+    ({"plugin/outlets/m.py": "from plugin.kubelet.s import X\n", "plugin/kubelet/s.py": "X = 1\n"},
+     "plugin.outlets.m:1 imports plugin.kubelet.s: outlets may not import kubelet"),
+    # a relative import is resolved before it is judged
+    ({"plugin/devices/d.py": "from ..health import h\n", "plugin/health/h.py": ""},
+     "plugin.devices.d:1 imports plugin.health.h: devices may not import health"),
+    # a cycle inside one layer
+    ({"plugin/health/x.py": "import plugin.health.y\n", "plugin/health/y.py": "from plugin.health import x\n"},
+     "import cycle: plugin.health.x -> plugin.health.y -> plugin.health.x"),
+    # config reaching into an outlet (it once did, for name checks: they live in validation.py now)
+    ({"plugin/config/options.py": "from plugin.outlets.annotations import check\n",
+      "plugin/outlets/annotations.py": "check = 1\n"},
+     "plugin.config.options:1 imports plugin.outlets.annotations: config may not import outlets"),
+    # config reaching into the kubelet side for the sharing section (it once did: the section lives in sharing/)
+    ({"plugin/config/load.py": "from plugin.kubelet.sharing import parse_sharing\n",
+      "plugin/kubelet/sharing.py": "parse_sharing = 1\n"},
+     "plugin.config.load:1 imports plugin.kubelet.sharing: config may not import kubelet"),
+    # the sharing concept reaching up into the kubelet that serves it
+    ({"plugin/sharing/model.py": "from plugin.kubelet.resources import DeviceResource\n",
+      "plugin/kubelet/resources.py": "DeviceResource = 1\n"},
+     "plugin.sharing.model:1 imports plugin.kubelet.resources: sharing may not import kubelet"),
+    # a module outside every layer
+    ({"plugin/stray.py": ""}, "plugin.stray: in no layer"),
+])
+def test_the_checker_catches(tmp_path: Path, files: dict[str, str], expected: str) -> None:
+    root = _tree(tmp_path, files)
+    assert any(p.startswith(expected) for p in violations(root)), violations(root)
+
+
+def test_the_checker_allows_downward_and_lazy_imports(tmp_path: Path) -> None:
+    root = _tree(tmp_path, {
+        "plugin/app.py": "from plugin.health import h\n\ndef f():\n    from plugin.outlets import o\n",
+        "plugin/health/h.py": "from plugin.devices import d\nfrom plugin import backoff\n",
+        "plugin/devices/d.py": "", "plugin/outlets/o.py": "from plugin.health.h import *\n", "plugin/backoff.py": "",
+    })
+    assert violations(root) == []
+
+
 # scripts/ (generators, builders, the local cluster) sit beside the packages they serve: they may use plugin's public
 # names and each other, never the tests (tests may import scripts, so that would be a loop through the test tree)
 # and never plugin's private names (a script leaning on one breaks when the module is tidied).
@@ -290,75 +362,3 @@ def test_the_script_checker_allows_public_names_and_scripts_importing_scripts(tm
         "plugin/validation.py": "", "plugin/config/options.py": "",
     })
     assert script_violations(root) == []
-
-
-def test_plugin_imports_point_down_and_never_cycle() -> None:
-    problems = violations(REPO)
-    assert not problems, "layer contract broken:\n" + "\n".join(problems)
-
-
-def test_the_table_only_lets_layers_import_downwards() -> None:
-    order = [layer for layer, _ in LAYERS]
-    for layer, allowed in MAY_IMPORT.items():
-        assert all(order.index(a) < order.index(layer) for a in allowed), layer
-
-
-def test_every_layer_is_populated() -> None:
-    """A layer whose prefix matches nothing is a stale entry: the contract would pass over a renamed package."""
-    mods = set(graph(REPO, "plugin"))
-    for layer, prefixes in LAYERS:
-        for p in prefixes:
-            assert any(layer_of(m) == layer and (m == p or m.startswith(p + ".")) for m in mods), \
-                f"{layer}: {p} matches no module"
-
-
-def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
-    for rel, text in files.items():
-        p = tmp_path / rel
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(text)
-    for d in {p.parent for p in tmp_path.rglob("*.py")}:
-        (d / "__init__.py").touch()
-    return tmp_path
-
-
-@pytest.mark.parametrize(("files", "expected"), [
-    # health reaching up into the outlets, inside a function: the cycle-dodging pattern
-    ({"plugin/health/a.py": "def f():\n    from plugin.outlets import b\n", "plugin/outlets/b.py": ""},
-     "plugin.health.a:2 imports plugin.outlets.b: health may not import outlets"),
-    # siblings
-    ({"plugin/outlets/m.py": "from plugin.kubelet.s import X\n", "plugin/kubelet/s.py": "X = 1\n"},
-     "plugin.outlets.m:1 imports plugin.kubelet.s: outlets may not import kubelet"),
-    # a relative import is resolved before it is judged
-    ({"plugin/devices/d.py": "from ..health import h\n", "plugin/health/h.py": ""},
-     "plugin.devices.d:1 imports plugin.health.h: devices may not import health"),
-    # a cycle inside one layer
-    ({"plugin/health/x.py": "import plugin.health.y\n", "plugin/health/y.py": "from plugin.health import x\n"},
-     "import cycle: plugin.health.x -> plugin.health.y -> plugin.health.x"),
-    # config reaching into an outlet (it once did, for name checks: they live in validation.py now)
-    ({"plugin/config/options.py": "from plugin.outlets.annotations import check\n",
-      "plugin/outlets/annotations.py": "check = 1\n"},
-     "plugin.config.options:1 imports plugin.outlets.annotations: config may not import outlets"),
-    # config reaching into the kubelet side for the sharing section (it once did: the section lives in sharing/)
-    ({"plugin/config/load.py": "from plugin.kubelet.sharing import parse_sharing\n",
-      "plugin/kubelet/sharing.py": "parse_sharing = 1\n"},
-     "plugin.config.load:1 imports plugin.kubelet.sharing: config may not import kubelet"),
-    # the sharing concept reaching up into the kubelet that serves it
-    ({"plugin/sharing/model.py": "from plugin.kubelet.resources import DeviceResource\n",
-      "plugin/kubelet/resources.py": "DeviceResource = 1\n"},
-     "plugin.sharing.model:1 imports plugin.kubelet.resources: sharing may not import kubelet"),
-    # a module outside every layer
-    ({"plugin/stray.py": ""}, "plugin.stray: in no layer"),
-])
-def test_the_checker_catches(tmp_path: Path, files: dict[str, str], expected: str) -> None:
-    root = _tree(tmp_path, files)
-    assert any(p.startswith(expected) for p in violations(root)), violations(root)
-
-
-def test_the_checker_allows_downward_and_lazy_imports(tmp_path: Path) -> None:
-    root = _tree(tmp_path, {
-        "plugin/app.py": "from plugin.health import h\n\ndef f():\n    from plugin.outlets import o\n",
-        "plugin/health/h.py": "from plugin.devices import d\nfrom plugin import backoff\n",
-        "plugin/devices/d.py": "", "plugin/outlets/o.py": "from plugin.health.h import *\n", "plugin/backoff.py": "",
-    })
-    assert violations(root) == []
