@@ -21,6 +21,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
               "plugin.sockets", "plugin.logs")),
     ("kube", ("plugin.kube",)),
     ("serve", ("plugin.serve",)),
+    ("options", ("plugin.options",)),
     ("devices", ("plugin.devices",)),
     ("health", ("plugin.health",)),
     ("kubelet", ("plugin.kubelet",)),
@@ -32,21 +33,23 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("cli", ("plugin.cli", "plugin.kubectl_plugin", "plugin.__main__")),
 )
 # The infrastructure packages sit beside base, under every domain package: the Kubernetes client (kube) and the
-# HTTP serving with its exposition (serve) know nothing of GPUs, health or either program.
-_INFRA = frozenset({"base", "kube", "serve"})
+# HTTP serving with its exposition (serve) know nothing of GPUs, health or either program; the option library
+# (options) knows how options are set, not which options a program has.
+_INFRA = frozenset({"base", "kube", "serve", "options"})
 _BELOW_KUBELET = frozenset({"base", "devices", "health"})
 # What each layer may import besides itself. kubelet and outlets are siblings: neither may import the other.
 MAY_IMPORT: dict[str, frozenset[str]] = {
     "base": frozenset(),
     "kube": frozenset({"base"}),
     "serve": frozenset({"base"}),
+    "options": frozenset({"base"}),
     "devices": frozenset({"base"}),
     "health": frozenset({"base", "devices"}),
     "kubelet": _BELOW_KUBELET,
     "outlets": _BELOW_KUBELET | _INFRA,
     # DRA mode serves the kubelet (a kubelet-side job) from what the outlets know of slices and claims.
     "dra": _BELOW_KUBELET | _INFRA | {"kubelet", "outlets"},
-    "config": _BELOW_KUBELET | {"kubelet"},
+    "config": _BELOW_KUBELET | {"kubelet", "options"},
     # The fleet controller is a program of its own beside the node agent: the shared infrastructure and the reason
     # names of health, nothing of the agent's kubelet side, outlets, DRA mode, config or app.
     "controller": _BELOW_KUBELET | _INFRA,
