@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from plugin import config as config_mod
+from plugin.options.flags import add_arguments
+from plugin.options.sources import config_path
 
 SUBCOMMANDS = ("run", "demo", "status", "watch", "simulated-node")
 EXIT_CONFIG = 2
@@ -21,18 +23,7 @@ EXIT_CONFIG = 2
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, metavar="FILE", default=None,
                    help="versioned config file (YAML or JSON, version: v1; env GPU_HEALTH_CONFIG; default: none)")
-    for o in config_mod.OPTIONS:
-        # The values are checked by config.load, not by argparse, so a bad one is one line naming the flag
-        # (argparse would print the whole usage first); the choices are still shown here.
-        default = config_mod.default_text(o)
-        help_text = f"{o.help} (env {o.env}" + (f"; default: {default})" if default is not None else ")")
-        help_text = help_text.replace("%", "%%")
-        if o.is_bool:
-            p.add_argument(o.flag, dest=o.name, nargs="?", const="true", default=None, metavar="BOOL",
-                           help=help_text)
-        else:
-            metavar = "{" + ",".join(o.choices) + "}" if o.choices else o.metavar or o.name.upper()
-            p.add_argument(o.flag, dest=o.name, default=None, metavar=metavar, help=help_text)
+    add_arguments(p, config_mod.OPTIONS)
 
 
 def _health_socket_arg(p: argparse.ArgumentParser) -> None:
@@ -141,10 +132,8 @@ def _run(args: argparse.Namespace) -> int:
     from plugin import logs
 
     flags = {o.name: getattr(args, o.name) for o in config_mod.OPTIONS}
-    config_file, config_label = args.config, "--config"
-    if config_file is None and os.environ.get("GPU_HEALTH_CONFIG"):
-        config_file, config_label = Path(os.environ["GPU_HEALTH_CONFIG"]), "GPU_HEALTH_CONFIG"
     try:
+        config_file, config_label = config_path(args.config, os.environ, "--config", "GPU_HEALTH_CONFIG")
         cfg = config_mod.load(flags, os.environ, config_file, config_label)
     except config_mod.ConfigError as exc:
         print(f"gpu-health-plugin: invalid configuration: {exc}", file=sys.stderr)

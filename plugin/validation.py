@@ -60,7 +60,7 @@ _DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 _DNS_LABEL_RE = re.compile(_DNS_LABEL)
 _DNS_SUBDOMAIN_RE = re.compile(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*")
 _NAME_PART_RE = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
-_REASON_CODE_RE = re.compile(r"[a-z0-9]+(-[a-z0-9]+)*")
+REASON_CODE_RE = re.compile(r"[a-z0-9]+(-[a-z0-9]+)*")
 RESERVED_DOMAINS = ("kubernetes.io", "k8s.io")
 # Node conditions the kubelet and the node lifecycle controller write; a condition of ours under one of these types
 # would be overwritten, or would overwrite theirs.
@@ -100,7 +100,7 @@ def is_extended_resource_name(s: str) -> bool:
 
 def is_reason_code(s: str) -> bool:
     """Reason codes are lower-case words joined by single hyphens (``xid-79``, ``ecc-uncorrected``)."""
-    return _REASON_CODE_RE.fullmatch(s) is not None
+    return REASON_CODE_RE.fullmatch(s) is not None
 
 
 def check_prefix(prefix: str) -> str:

@@ -9,7 +9,7 @@ Where each part comes from:
     the chart's own keys     the table below, checked against values.yaml both ways: a key of values.yaml the
                              table lacks, or a key of the table values.yaml lacks, stops the generator with its path
     plugin                   plugin/config's OPTIONS: each option's field type, parser and help
-    health, sharing          scripts/gen_docs.py's HEALTH_KEYS and SHARING_KEYS (which gen_docs checks against the
+    health, sharing          scripts/file_keys.py's HEALTH_KEYS and SHARING_KEYS (which gen_docs checks against the
                              parsers); each Key's type text maps to one schema below, and a type text without one
                              stops the generator with the key's path
     controller.config        plugin/controller/config.py's OPTIONS, the file keys of its sections
@@ -36,9 +36,12 @@ import yaml  # noqa: E402
 from plugin.config import options as plugin_options  # noqa: E402
 from plugin.controller import config as ctl  # noqa: E402
 from plugin.health.reasons import KubeletHealth, State  # noqa: E402
+from plugin.options import table as options_table  # noqa: E402
+from plugin.options.durations import DURATION_PART, Duration  # noqa: E402
+from plugin.options.table import Option  # noqa: E402
 from plugin.sharing.config import MAX_REPLICAS, MIG_STRATEGIES, POLICIES  # noqa: E402
-from plugin.validation import _REASON_CODE_RE, Choice, parse_bool  # noqa: E402
-from scripts import gen_docs  # noqa: E402
+from plugin.validation import REASON_CODE_RE, Choice, parse_bool  # noqa: E402
+from scripts import file_keys  # noqa: E402
 
 CHART = REPO / "charts" / "gpu-health-device-plugin"
 VALUES_YAML = CHART / "values.yaml"
@@ -48,7 +51,7 @@ DRAFT = "http://json-schema.org/draft-07/schema#"
 Schema = dict[str, Any]
 
 
-class SchemaError(gen_docs.DocsError):
+class SchemaError(file_keys.DocsError):
     pass
 
 
@@ -108,26 +111,26 @@ _STATE_WORD = "(?:" + "|".join(_STATES) + ")"
 _STATE_LIST_PATTERN = rf"^[\s,]*(?:none|{_STATE_WORD}(?:\s*,[\s,]*{_STATE_WORD})*)?[\s,]*$"
 
 
-def _plugin_option(o: plugin_options.Option, hint: Any) -> Schema:
-    where = f"plugin.{o.key}"
+def _plugin_option(o: Option, hint: Any) -> Schema:
+    where = o.key
     if isinstance(o.parse, Choice):
         return _enum(o.help, o.choices)
     if o.parse is parse_bool:
         return _boolean(o.help)
-    if o.parse is plugin_options._state_list:
+    if o.parse is plugin_options.state_list:
         # The loader takes a comma-separated string or a list, as a flag and a YAML file write them.
         return {"description": o.help, "anyOf": [
             {"type": "string", "pattern": _STATE_LIST_PATTERN},
             {"type": "array", "items": {"type": "string", "enum": [*_STATES, "none"]}}]}
     if hint is int:
-        return _integer(o.help, 1) if o.parse is plugin_options._int_pos else _typed(o.help, "integer")
+        return _integer(o.help, 1) if o.parse is plugin_options.positive_int else _typed(o.help, "integer")
     if hint is float:
         s = _typed(o.help, "number")
-        if o.parse is plugin_options._float_pos:
+        if o.parse is plugin_options.positive_float:
             s["exclusiveMinimum"] = 0
         return s
     if hint in (str, Path, Path | None):
-        return _string(o.help, minLength=1) if o.parse is plugin_options._path else _string(o.help)
+        return _string(o.help, minLength=1) if o.parse is options_table.path else _string(o.help)
     raise SchemaError(f"{where}: no schema for a {hint} option parsed by {o.parse!r}; add one to "
                       "scripts/gen_chart_schema.py")
 
@@ -147,14 +150,14 @@ CHART_OWNED = frozenset({
 
 def plugin_schema(description: str) -> Schema:
     hints = typing.get_type_hints(plugin_options.Config)
-    keys = {o.key for o in plugin_options.OPTIONS}
+    keys = {o.leaf for o in plugin_options.OPTIONS}
     if stale := sorted(CHART_OWNED - keys):
         raise SchemaError(f"plugin.{stale[0]}: listed as set by the chart but not an option of the plugin")
-    return _fixed(description, {o.key: _plugin_option(o, hints[o.name]) for o in plugin_options.OPTIONS
-                                if o.key not in CHART_OWNED})
+    return _fixed(description, {o.leaf: _plugin_option(o, hints[o.name]) for o in plugin_options.OPTIONS
+                                if o.leaf not in CHART_OWNED})
 
 
-# The health and sharing sections: from gen_docs' Key tables -------------------------------------------------------
+# The health and sharing sections: from scripts/file_keys.py's Key tables -------------------------------------------
 
 def _key_types() -> dict[str, Schema]:
     """The schema of each type text the Key tables use."""
@@ -171,7 +174,7 @@ def _key_types() -> dict[str, Schema]:
         "seconds or null": number_or_null,
         "boolean": {"type": "boolean"},
         "map: reason code to state or `ignore`": {
-            "type": "object", "propertyNames": {"pattern": f"^{_REASON_CODE_RE.pattern}$"},
+            "type": "object", "propertyNames": {"pattern": f"^{REASON_CODE_RE.pattern}$"},
             "additionalProperties": {"type": "string", "enum": [*states, "ignore"]}},
         "`Healthy`": {"type": "string", "enum": [KubeletHealth.HEALTHY.value]},
         "`Healthy` or `Unhealthy`": {"type": "string", "enum": [k.value for k in KubeletHealth]},
@@ -192,13 +195,14 @@ _KEY_BOUNDS: dict[str, Schema] = {
 }
 
 
-def _section_from_keys(root: str, keys: Iterable[gen_docs.Key], description: str) -> Schema:
+def _section_from_keys(root: str, keys: Iterable[file_keys.Key], description: str) -> Schema:
     types = _key_types()
     keys = tuple(keys)
     paths = {k.path for k in keys}
     for path in _KEY_BOUNDS:
         if path.startswith(root + ".") and path not in paths:
-            raise SchemaError(f"{path}: bounded in scripts/gen_chart_schema.py but not a key of gen_docs' table")
+            raise SchemaError(f"{path}: bounded in scripts/gen_chart_schema.py but not a key of "
+                              "scripts/file_keys.py's table")
     top = _fixed(description, {})
     for k in keys:
         if k.type not in types:
@@ -228,23 +232,23 @@ def _section_from_keys(root: str, keys: Iterable[gen_docs.Key], description: str
 
 _DURATION_NUMBER = r"\d+(?:\.\d*)?|\.\d+"
 # What parse_duration accepts as a string, less the minus sign its range check refuses anyway.
-_DURATION_PATTERN = rf"^\s*(?:{_DURATION_NUMBER}|(?:{ctl._DURATION_PART.pattern})+)\s*$"
+_DURATION_PATTERN = rf"^\s*(?:{_DURATION_NUMBER}|(?:{DURATION_PART.pattern})+)\s*$"
 
 _CONTROLLER_NUMBERS: dict[Callable[[Any], Any], Schema] = {
-    ctl._count: {"type": "integer", "minimum": 0},
-    ctl._fraction: {"type": "number", "minimum": 0, "maximum": 1},
-    ctl._open_fraction: {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-    ctl._positive: {"type": "number", "exclusiveMinimum": 0},
-    ctl._number: {"type": "number"},
+    ctl.count: {"type": "integer", "minimum": 0},
+    ctl.fraction: {"type": "number", "minimum": 0, "maximum": 1},
+    ctl.open_fraction: {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+    ctl.positive: {"type": "number", "exclusiveMinimum": 0},
+    ctl.number: {"type": "number"},
 }
 
 
-def _controller_option(o: ctl.Option, hint: Any) -> Schema:
+def _controller_option(o: Option, hint: Any) -> Schema:
     if isinstance(o.parse, Choice):
         return _enum(o.help, o.choices)
     if o.parse is parse_bool:
         return _boolean(o.help)
-    if isinstance(o.parse, ctl._Duration):
+    if isinstance(o.parse, Duration):
         bound = {"exclusiveMinimum": 0} if o.parse.positive else {"minimum": 0}
         return {"description": o.help + " (seconds, or a duration like 90s, 10m, 1h30m)", "anyOf": [
             {"type": "number", **bound}, {"type": "string", "pattern": _DURATION_PATTERN}]}
@@ -295,9 +299,9 @@ def chart_schema() -> Schema:
                                     "keeps serving with no healthy device."),
         "plugin": plugin_schema("Further keys of the config file's plugin section (docs/config.md); migStrategy, "
                                 "failOnInitError and the feature switches win over the same keys here."),
-        "health": _section_from_keys("health", gen_docs.HEALTH_KEYS, "The config file's health section "
+        "health": _section_from_keys("health", file_keys.HEALTH_KEYS, "The config file's health section "
                                      "(docs/config.md); empty keeps the defaults."),
-        "sharing": _section_from_keys("sharing", gen_docs.SHARING_KEYS, "The config file's sharing section: "
+        "sharing": _section_from_keys("sharing", file_keys.SHARING_KEYS, "The config file's sharing section: "
                                       "time-slicing replicas (docs/sharing.md); empty shares nothing."),
         "cdi": _switch("Allocate also returns CDI device names; the runtime needs CDI enabled and CDI specs for the "
                        "GPUs."),

@@ -9,69 +9,27 @@ from pathlib import Path
 from typing import Any
 
 from plugin.config.options import OPTIONS, Config, ConfigError
-from plugin.configfile import read_document
 from plugin.health.config import parse_health
+from plugin.options.sources import File, read_file, resolve
 from plugin.sharing.config import parse_sharing
 from plugin.sharing.config import validate as validate_sharing
-from plugin.validation import first_key
 
 CONFIG_VERSION = "v1"
-SECTIONS = ("version", "plugin", "health", "sharing")
-
-
-def read_file(path: Path, label: str = "--config") -> dict[str, Any]:
-    """The config file as a mapping; ``label`` names where its path came from (--config or GPU_HEALTH_CONFIG)."""
-    doc = read_document(path, label)
-    if doc is None:
-        doc = {}
-    if not isinstance(doc, dict):
-        raise ConfigError(label, f"{path}: expected a mapping at the top level")
-    if doc.get("version") != CONFIG_VERSION:
-        raise ConfigError("version", f"expected {CONFIG_VERSION!r}, got {doc.get('version')!r}")
-    unknown = set(doc) - set(SECTIONS)
-    if unknown:
-        raise ConfigError(first_key(unknown), f"unknown section (known: {', '.join(sorted(SECTIONS))})")
-    return doc
+FILE_SECTIONS = ("health", "sharing")  # parsed beside their types; the plugin section is the option table's
 
 
 def load(flags: Mapping[str, Any], env: Mapping[str, str], file: Path | None,
          file_label: str = "--config") -> Config:
     """Merge the three sources (flags > env > file > defaults) and validate every value."""
-    doc: dict[str, Any] = read_file(Path(os.path.abspath(file)), file_label) if file is not None else {}
-    plugin = doc.get("plugin") or {}
-    if not isinstance(plugin, dict):
-        raise ConfigError("plugin", "expected a mapping")
-    by_key = {o.key: o for o in OPTIONS}
-    for k in plugin:
-        if k not in by_key:
-            raise ConfigError(f"plugin.{first_key({k})}", f"unknown key (known: {', '.join(sorted(by_key))})")
-    values: dict[str, Any] = {}
-    source: dict[str, str] = {}
-    set_by: dict[str, str] = {}
-    for o in OPTIONS:
-        if flags.get(o.name) is not None:
-            raw, src, label = flags[o.name], "flag", o.flag
-        elif o.env in env or any(a in env for a in o.env_aliases):
-            var = next(v for v in (o.env, *o.env_aliases) if v in env)
-            raw, src, label = env[var], "env", var
-        elif o.key in plugin:
-            raw, src, label = plugin[o.key], "file", f"plugin.{o.key}"
-        else:
-            values[o.name] = o.default
-            source[o.name] = "default"
-            continue
-        try:
-            values[o.name] = o.parse(raw)
-        except (ValueError, TypeError) as exc:
-            raise ConfigError(label, str(exc)) from None
-        source[o.name] = src
-        set_by[o.name] = label
-    health = parse_health(doc.get("health"))
-    sharing = parse_sharing(doc.get("sharing"))
-    validate_sharing(sharing, values["resource_name"], values["mig_strategy"])
-    cfg = Config(**values, health=health, sharing=sharing, source=source, set_by=set_by)
+    doc = (read_file(Path(os.path.abspath(file)), file_label, OPTIONS, CONFIG_VERSION, FILE_SECTIONS)
+           if file is not None else File())
+    r = resolve(OPTIONS, flags, env, doc.values)
+    health = parse_health(doc.free.get("health"))
+    sharing = parse_sharing(doc.free.get("sharing"))
+    validate_sharing(sharing, r.values["resource_name"], r.values["mig_strategy"])
+    cfg = Config(**r.values, health=health, sharing=sharing, source=r.source, set_by=r.set_by)
     if cfg.backend != "simulated" and cfg.simulated_node is not None:
-        via = f", set by {set_by['backend']}" if "backend" in set_by else ""
+        via = f", set by {r.set_by['backend']}" if "backend" in r.set_by else ""
         raise ConfigError(cfg.name_of("simulated_node"),
                           f"only valid with --backend simulated (the backend is {cfg.backend}{via})")
     if cfg.mode == "dra":

@@ -1,20 +1,20 @@
-"""The plugin's options: the ``Config`` dataclass, each field written once with its type, default, parser and help,
-and the option table (flag, environment variable, file key) derived from those fields.
+"""The plugin's options: the ``Config`` dataclass, each field written once with its type, default, parser and help;
+plugin/options derives the table from it.
 
 Every option has a flag (``--poll-interval``), an environment variable (``GPU_HEALTH_POLL_INTERVAL``) and a key in
-the ``plugin`` section of the file (``pollInterval``); ``docs/config.md`` and ``run --help`` are generated from the
-table, so a new field is documented and settable everywhere at once.
+the ``plugin`` section of the file (``plugin.pollInterval``); ``docs/config.md`` and ``run --help`` are generated
+from the table, so a new field is documented and settable everywhere at once.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from plugin.health.config import HealthConfig
+from plugin.options.table import Option, listen_address, optional_path, path, spec, table
 from plugin.sharing.config import MIG_STRATEGIES, SharingConfig
 from plugin.validation import (
     Choice,
@@ -24,7 +24,6 @@ from plugin.validation import (
     check_prefix,
     is_extended_resource_name,
     parse_bool,
-    split_host_port,
 )
 
 ENV_PREFIX = "GPU_HEALTH_"
@@ -35,7 +34,7 @@ ConfigError = FieldError
 # Value parsers: each takes what a flag, a variable or the file gave and returns the field's value or raises
 # ValueError with the message the user sees after the option's name.
 
-def _float_pos(v: Any) -> float:
+def positive_float(v: Any) -> float:
     if isinstance(v, bool):
         raise ValueError(f"expected a number, got {v!r}")
     f = float(v)
@@ -44,7 +43,7 @@ def _float_pos(v: Any) -> float:
     return f
 
 
-def _int_pos(v: Any) -> int:
+def positive_int(v: Any) -> int:
     if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
         raise ValueError(f"expected a positive integer, got {v!r}")
     try:
@@ -56,20 +55,6 @@ def _int_pos(v: Any) -> int:
     return n
 
 
-
-
-def _path(v: Any) -> Path:
-    """An absolute path: a relative one is taken against the working directory now, at load time, so that what
-    the start-up log shows is what every later open, bind and watch uses."""
-    if not isinstance(v, (str, Path)) or not str(v):
-        raise ValueError(f"expected a path, got {v!r}")
-    return Path(os.path.abspath(v))
-
-
-def _opt_path(v: Any) -> Path | None:
-    return None if v in (None, "") else _path(v)
-
-
 def _resource(v: Any) -> str:
     s = str(v)
     if not is_extended_resource_name(s):
@@ -77,18 +62,10 @@ def _resource(v: Any) -> str:
     return s
 
 
-def _listen_address(v: Any) -> str:
-    s = str(v).strip()
-    if s.lower() == "off":
-        return "off"
-    split_host_port(s)
-    return s
-
-
 CORRELATABLE_STATES = ("Degraded", "Unknown", "Unhealthy")
 
 
-def _state_list(v: Any) -> tuple[str, ...]:
+def state_list(v: Any) -> tuple[str, ...]:
     """A comma-separated string or a list of states; ``none`` (or empty) for no states."""
     items = [str(x).strip() for x in v] if isinstance(v, list) else [x.strip() for x in str(v).split(",")]
     items = [x for x in items if x]
@@ -104,155 +81,105 @@ def _stripped(check: Callable[[str], str]) -> Callable[[Any], str]:
     return lambda v: check(str(v).strip())
 
 
-# The table ----------------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Option:
-    name: str  # python attribute
-    parse: Callable[[Any], Any]
-    default: Any
-    help: str
-    metavar: str = ""
-    env_aliases: tuple[str, ...] = ()  # other variables read when ENV_PREFIX+NAME is unset (e.g. NODE_NAME)
-
-    @property
-    def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
-
-    @property
-    def env(self) -> str:
-        return ENV_PREFIX + self.name.upper()
-
-    @property
-    def key(self) -> str:
-        head, *tail = self.name.split("_")
-        return head + "".join(t.capitalize() for t in tail)
-
-    @property
-    def is_bool(self) -> bool:
-        return self.parse is parse_bool
-
-    @property
-    def choices(self) -> tuple[str, ...]:
-        return self.parse.options if isinstance(self.parse, Choice) else ()
-
-
-_SPEC = "option"
-
-
-@dataclass(frozen=True)
-class _Spec:
-    parse: Callable[[Any], Any]
-    help: str
-    metavar: str
-    env_aliases: tuple[str, ...]
-
-
-def _spec(parse: Callable[[Any], Any], help: str, metavar: str = "",
-          env_aliases: tuple[str, ...] = ()) -> dict[str, _Spec]:
-    """The metadata that makes a Config field an option; its type and default stay the field's own."""
-    return {_SPEC: _Spec(parse, help, metavar, env_aliases)}
-
-
 @dataclass(frozen=True)
 class Config:
-    mode: str = field(default="device-plugin", metadata=_spec(
+    mode: str = field(default="device-plugin", metadata=spec(
         Choice("device-plugin", "dra"), "how GPUs reach pods: device-plugin (the extended resource above, "
         "Healthy or Unhealthy per device) or dra (Dynamic Resource Allocation: ResourceSlices with device taints, "
         "reasons in pod status; docs/dra.md). One mode per node, never both"))
-    backend: str = field(default="nvml", metadata=_spec(
+    backend: str = field(default="nvml", metadata=spec(
         Choice("nvml", "simulated"), "where device readings come from"))
-    simulated_node: Path | None = field(default=None, metadata=_spec(
-        _opt_path, "node description for the simulated backend (JSON); the built-in 8-GPU node when unset", "FILE"))
-    device_plugin_dir: Path = field(default=Path("/var/lib/kubelet/device-plugins"), metadata=_spec(
-        _path, "the kubelet's device-plugin directory (kubelet.sock lives here)", "DIR"))
-    state_dir: Path = field(default=Path("/var/lib/gpu-health-device-plugin"), metadata=_spec(
-        _path, "where durable health state (latched faults, transitions) is kept", "DIR"))
-    handover: bool = field(default=False, metadata=_spec(
+    simulated_node: Path | None = field(default=None, metadata=spec(
+        optional_path, "node description for the simulated backend (JSON); the built-in 8-GPU node when unset", "FILE"))
+    device_plugin_dir: Path = field(default=Path("/var/lib/kubelet/device-plugins"), metadata=spec(
+        path, "the kubelet's device-plugin directory (kubelet.sock lives here)", "DIR"))
+    state_dir: Path = field(default=Path("/var/lib/gpu-health-device-plugin"), metadata=spec(
+        path, "where durable health state (latched faults, transitions) is kept", "DIR"))
+    handover: bool = field(default=False, metadata=spec(
         parse_bool, "when another instance holds the state dir (a surge rollout starts the new pod first), serve "
         "the kubelet next to it and take the state dir over once it exits, instead of refusing to start"))
-    health_socket: Path | None = field(default=None, metadata=_spec(
-        _opt_path, "unix socket of the node-local health API (default: health.sock in the state dir)", "PATH"))
-    dev_root: Path = field(default=Path("/"), metadata=_spec(
-        _path, "root under which the host's /dev/nvidia* nodes are found", "DIR"))
-    resource_name: str = field(default="nvidia.com/gpu", metadata=_spec(
+    health_socket: Path | None = field(default=None, metadata=spec(
+        optional_path, "unix socket of the node-local health API (default: health.sock in the state dir)", "PATH"))
+    dev_root: Path = field(default=Path("/"), metadata=spec(
+        path, "root under which the host's /dev/nvidia* nodes are found", "DIR"))
+    resource_name: str = field(default="nvidia.com/gpu", metadata=spec(
         _resource, "extended resource advertised to the kubelet", "NAME"))
-    mig_strategy: str = field(default="none", metadata=_spec(
+    mig_strategy: str = field(default="none", metadata=spec(
         Choice(*MIG_STRATEGIES), "MIG devices: none (GPUs whole), single (MIG devices as the resource above) or "
         "mixed (one resource per profile, e.g. nvidia.com/mig-1g.10gb)"))
-    cdi: bool = field(default=False, metadata=_spec(
+    cdi: bool = field(default=False, metadata=spec(
         parse_bool, "also return CDI device names (nvidia.com/gpu=<uuid>) from Allocate"))
-    allow_unhealthy_allocation: bool = field(default=False, metadata=_spec(
+    allow_unhealthy_allocation: bool = field(default=False, metadata=spec(
         parse_bool, "let Allocate hand out devices the plugin reports Unhealthy (otherwise Allocate fails with "
         "FAILED_PRECONDITION)"))
-    poll_interval: float = field(default=5.0, metadata=_spec(
-        _float_pos, "seconds between health polls", "SECONDS"))
-    fail_on_init_error: bool = field(default=True, metadata=_spec(
+    poll_interval: float = field(default=5.0, metadata=spec(
+        positive_float, "seconds between health polls", "SECONDS"))
+    fail_on_init_error: bool = field(default=True, metadata=spec(
         parse_bool, "exit non-zero when NVML cannot start; false keeps serving with no healthy devices"))
-    log_format: str = field(default="text", metadata=_spec(
+    log_format: str = field(default="text", metadata=spec(
         Choice("text", "json"), "log line format"))
-    log_level: str = field(default="info", metadata=_spec(
+    log_level: str = field(default="info", metadata=spec(
         Choice("debug", "info", "warning", "error"), "log verbosity"))
-    metrics_address: str = field(default="0.0.0.0:9402", metadata=_spec(
-        _listen_address, "HOST:PORT serving /metrics, /healthz and /readyz; off disables", "HOST:PORT"))
-    stall_threshold: float = field(default=60.0, metadata=_spec(
-        _float_pos, "seconds a health loop may fall behind (the poller: beyond its interval) before /healthz fails",
+    metrics_address: str = field(default="0.0.0.0:9402", metadata=spec(
+        _stripped(listen_address), "HOST:PORT serving /metrics, /healthz and /readyz; off disables", "HOST:PORT"))
+    stall_threshold: float = field(default=60.0, metadata=spec(
+        positive_float, "seconds a health loop may fall behind (the poller: beyond its interval) before /healthz fails",
         "SECONDS"))
-    correlate_on: tuple[str, ...] = field(default=("Unhealthy",), metadata=_spec(
-        _state_list, "device states that make the plugin find the pods holding the device (PodResources) and post "
+    correlate_on: tuple[str, ...] = field(default=("Unhealthy",), metadata=spec(
+        state_list, "device states that make the plugin find the pods holding the device (PodResources) and post "
         "Events on them; comma-separated, or none", "STATES"))
-    pod_resources_socket: Path = field(default=Path("/var/lib/kubelet/pod-resources/kubelet.sock"), metadata=_spec(
-        _path, "the kubelet's PodResources socket", "PATH"))
-    annotate_pods: bool = field(default=False, metadata=_spec(
+    pod_resources_socket: Path = field(default=Path("/var/lib/kubelet/pod-resources/kubelet.sock"), metadata=spec(
+        path, "the kubelet's PodResources socket", "PATH"))
+    annotate_pods: bool = field(default=False, metadata=spec(
         parse_bool, "also annotate pods holding a failing device"))
-    remediate: str = field(default="none", metadata=_spec(
+    remediate: str = field(default="none", metadata=spec(
         Choice("none", "evict"), "evict: evict pods holding a failing device through the eviction API "
         "(PodDisruptionBudgets apply)"))
     # Cluster reporting (plugin/outlets/kube.py, docs/annotations.md). Reporting is on when a node name is known.
-    node_name: str = field(default="", metadata=_spec(
+    node_name: str = field(default="", metadata=spec(
         _stripped(check_node_name), "this node's name in the API server (the DaemonSet sets NODE_NAME); empty turns "
         "cluster reporting off", "NAME", env_aliases=("NODE_NAME",)))
-    kubeconfig: Path | None = field(default=None, metadata=_spec(
-        _opt_path, "kubeconfig for running outside the cluster (default: the Pod's service account)", "FILE"))
-    annotations: bool = field(default=True, metadata=_spec(
+    kubeconfig: Path | None = field(default=None, metadata=spec(
+        optional_path, "kubeconfig for running outside the cluster (default: the Pod's service account)", "FILE"))
+    annotations: bool = field(default=True, metadata=spec(
         parse_bool, "write per-device health annotations onto this node"))
-    annotation_prefix: str = field(default="gpu-health.io", metadata=_spec(
+    annotation_prefix: str = field(default="gpu-health.io", metadata=spec(
         _stripped(check_prefix), "DNS subdomain our annotation keys live under (the admission policy allows "
         "gpu-health.io)", "DOMAIN"))
-    annotation_max_bytes: int = field(default=65536, metadata=_spec(
-        _int_pos, "cap on the size of our annotations; beyond it device entries are dropped, worst kept, and a "
+    annotation_max_bytes: int = field(default=65536, metadata=spec(
+        positive_int, "cap on the size of our annotations; beyond it device entries are dropped, worst kept, and a "
         "truncation marker is written", "BYTES"))
-    events: bool = field(default=True, metadata=_spec(
+    events: bool = field(default=True, metadata=spec(
         parse_bool, "post Events on this node for transitions into and out of Degraded/Unhealthy"))
-    node_condition: bool = field(default=False, metadata=_spec(
+    node_condition: bool = field(default=False, metadata=spec(
         parse_bool, "maintain a node condition (needs nodes/status patch: the node-condition overlay)"))
-    node_condition_type: str = field(default="GPUHealthy", metadata=_spec(
+    node_condition_type: str = field(default="GPUHealthy", metadata=spec(
         _stripped(check_condition_type), "type of that node condition", "TYPE"))
-    report_debounce: float = field(default=1.0, metadata=_spec(
-        _float_pos, "seconds a burst of changes is collected into one write", "SECONDS"))
-    report_min_interval: float = field(default=10.0, metadata=_spec(
-        _float_pos, "seconds between two writes to the node (token bucket)", "SECONDS"))
-    report_resync_interval: float = field(default=600.0, metadata=_spec(
-        _float_pos, "seconds between re-reads of the node that repair manual edits of our keys", "SECONDS"))
-    report_backoff_max: float = field(default=300.0, metadata=_spec(
-        _float_pos, "longest wait between retries while the API server is unreachable or refusing (exponential "
+    report_debounce: float = field(default=1.0, metadata=spec(
+        positive_float, "seconds a burst of changes is collected into one write", "SECONDS"))
+    report_min_interval: float = field(default=10.0, metadata=spec(
+        positive_float, "seconds between two writes to the node (token bucket)", "SECONDS"))
+    report_resync_interval: float = field(default=600.0, metadata=spec(
+        positive_float, "seconds between re-reads of the node that repair manual edits of our keys", "SECONDS"))
+    report_backoff_max: float = field(default=300.0, metadata=spec(
+        positive_float, "longest wait between retries while the API server is unreachable or refusing (exponential "
         "back-off with jitter up to this)", "SECONDS"))
     # DRA mode (--mode dra, docs/dra.md): the kubelet plugin's sockets, CDI specs, health mapping and taints.
-    dra_plugin_dir: Path = field(default=Path("/var/lib/kubelet/plugins/gpu.gpu-health.io"), metadata=_spec(
-        _path, "DRA mode: directory of the DRA service socket (dra.sock); the kubelet connects to it at this path",
+    dra_plugin_dir: Path = field(default=Path("/var/lib/kubelet/plugins/gpu.gpu-health.io"), metadata=spec(
+        path, "DRA mode: directory of the DRA service socket (dra.sock); the kubelet connects to it at this path",
         "DIR"))
-    dra_registry_dir: Path = field(default=Path("/var/lib/kubelet/plugins_registry"), metadata=_spec(
-        _path, "DRA mode: the kubelet's plugin registration directory", "DIR"))
-    cdi_spec_dir: Path = field(default=Path("/var/run/cdi"), metadata=_spec(
-        _path, "DRA mode: where the CDI spec of each prepared claim is written (a directory the container "
+    dra_registry_dir: Path = field(default=Path("/var/lib/kubelet/plugins_registry"), metadata=spec(
+        path, "DRA mode: the kubelet's plugin registration directory", "DIR"))
+    cdi_spec_dir: Path = field(default=Path("/var/run/cdi"), metadata=spec(
+        path, "DRA mode: where the CDI spec of each prepared claim is written (a directory the container "
         "runtime reads CDI specs from)", "DIR"))
-    dra_degraded_health: str = field(default="Healthy", metadata=_spec(
+    dra_degraded_health: str = field(default="Healthy", metadata=spec(
         Choice("Healthy", "Unhealthy"), "DRA mode: the health a Degraded device shows in pod status (its reason "
         "is the message either way)"))
-    dra_unhealthy_taint_effect: str = field(default="NoSchedule", metadata=_spec(
+    dra_unhealthy_taint_effect: str = field(default="NoSchedule", metadata=spec(
         Choice("NoSchedule", "NoExecute"), "DRA mode: effect of the taint on an Unhealthy device in the "
         "ResourceSlice; NoExecute also evicts the pods using it"))
-    dra_degraded_taint: bool = field(default=True, metadata=_spec(
+    dra_degraded_taint: bool = field(default=True, metadata=spec(
         parse_bool, "DRA mode: put a taint with no effect (it only informs) carrying the reason on a Degraded device; "
         "when health.kubeletHealth maps Degraded to Unhealthy it gets a NoSchedule taint whatever this says"))
     # The file-only sections, and where each option's value came from.
@@ -292,27 +219,10 @@ class Config:
         return out
 
 
-OPTIONS: tuple[Option, ...] = tuple(
-    Option(f.name, s.parse, f.default, s.help, s.metavar, s.env_aliases)
-    for f in fields(Config) if (s := f.metadata.get(_SPEC)) is not None)
+OPTIONS = table(Config, ENV_PREFIX, "plugin")
 _BY_NAME = {o.name: o for o in OPTIONS}
 
 
 def option(name: str) -> Option:
     """The option behind a Config field (KeyError for a field that is not one, such as ``health``)."""
     return _BY_NAME[name]
-
-
-def default_text(o: Option) -> str | None:
-    """The default as a user would write it (``5``, ``false``, ``Unhealthy``); None when the default is "unset",
-    whose meaning the option's help states (e.g. health.sock in the state dir)."""
-    d = o.default
-    if d is None or d == "":
-        return None
-    if isinstance(d, bool):
-        return "true" if d else "false"
-    if isinstance(d, float) and d.is_integer():
-        return str(int(d))
-    if isinstance(d, tuple):
-        return ",".join(d) if d else "none"
-    return str(d)

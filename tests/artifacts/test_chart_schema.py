@@ -21,7 +21,7 @@ from plugin.controller import config as ctl
 from plugin.health.config import HealthConfig, parse_health
 from plugin.sharing.config import parse_sharing
 from plugin.validation import FieldError
-from scripts import gen_chart_schema, gen_docs
+from scripts import file_keys, gen_chart_schema, gen_docs
 from scripts import helm as helm_build
 from tests.conformance.skips import build_or_skip
 
@@ -58,8 +58,8 @@ def test_a_values_key_without_a_schema_stops_the_generator(tmp_path: Path, monke
 
 
 def test_a_key_type_without_a_schema_stops_the_generator(monkeypatch: pytest.MonkeyPatch) -> None:
-    odd = gen_docs.Key("health.flap.jitter", "percentage", "new", None)
-    monkeypatch.setattr(gen_docs, "HEALTH_KEYS", (*gen_docs.HEALTH_KEYS, odd))
+    odd = file_keys.Key("health.flap.jitter", "percentage", "new", None)
+    monkeypatch.setattr(file_keys, "HEALTH_KEYS", (*file_keys.HEALTH_KEYS, odd))
     with pytest.raises(gen_chart_schema.SchemaError, match=r"health\.flap\.jitter: no schema for the type"):
         gen_chart_schema.render()
 
@@ -123,7 +123,7 @@ def test_every_values_key_is_in_the_schema_and_every_schema_key_is_in_values_or_
     assert unset == [], "keys of the schema that values.yaml does not set and no option table documents"
     props = schema["properties"]
     # The generated sections are exactly the documented keys, no more and no fewer.
-    assert set(props["plugin"]["properties"]) == {o.key for o in plugin_options.OPTIONS} - gen_chart_schema.CHART_OWNED
+    assert set(props["plugin"]["properties"]) == {o.leaf for o in plugin_options.OPTIONS} - gen_chart_schema.CHART_OWNED
     assert set(_schema_leaves(props["health"], "health")) == {k.path for k in gen_docs.HEALTH_KEYS}
     assert set(_schema_leaves(props["sharing"], "sharing")) == {k.path for k in gen_docs.SHARING_KEYS}
     config = props["controller"]["properties"]["config"]
@@ -186,7 +186,7 @@ def _parse_controller(doc: dict[str, Any]) -> None:
 
 
 def _parse_plugin(doc: dict[str, Any]) -> None:
-    by_key = {o.key: o for o in plugin_options.OPTIONS}
+    by_key = {o.leaf: o for o in plugin_options.OPTIONS}
     for key, value in doc.items():
         by_key[key].parse(value)
 

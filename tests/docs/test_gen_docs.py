@@ -38,7 +38,7 @@ def test_every_option_and_reason_is_documented() -> None:
     for o in config_mod.OPTIONS:
         row = next((ln for ln in config_md.splitlines() if ln.startswith(f"| `{o.flag}`")), None)
         assert row is not None, o.flag
-        assert f"`{o.env}`" in row and f"`{o.key}`" in row
+        assert f"`{o.env}`" in row and f"`{o.leaf}`" in row
     reasons_md = gen_docs.render_reasons()
     for r in REASONS:
         assert f"| `{r.code}` | {r.severity.value} | `{r.action}` |" in reasons_md
@@ -53,7 +53,7 @@ def test_example_file_loads_to_the_defaults(tmp_path: Path) -> None:
     # Every option the file can carry is in the example (unset ones as a comment).
     text = path.read_text()
     for o in config_mod.OPTIONS:
-        assert f" {o.key}:" in text, o.key
+        assert f" {o.leaf}:" in text, o.leaf
 
 
 def test_an_undescribed_health_key_stops_the_generator(monkeypatch: pytest.MonkeyPatch) -> None:

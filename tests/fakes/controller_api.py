@@ -10,17 +10,33 @@ import copy
 import datetime as dt
 import json
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from plugin.controller.api import NodePage
-from plugin.controller.config import parse_selector, selector_matches
 from plugin.kube.client import ApiFailure
+from plugin.options.selectors import Requirement, parse_selector
 
 P = "gpu-health.io"
 T0 = 1_767_225_600.0  # 2026-01-01T00:00:00Z
 RANK = {"Healthy": 0, "Degraded": 1, "Unknown": 2, "Unhealthy": 3}
 StreamItem = dict[str, Any] | Exception | Callable[[], object]
+
+
+def _matches(r: Requirement, labels: Mapping[str, str]) -> bool:
+    have = labels.get(r.key)
+    if r.op == "exists":
+        return have is not None
+    if r.op == "!":
+        return have is None
+    if r.op in ("=", "in"):
+        return have is not None and have in r.values
+    return have is None or have not in r.values  # != and notin, as Kubernetes: a missing label matches
+
+
+def selector_matches(requirements: Sequence[Requirement], labels: Mapping[str, str]) -> bool:
+    """The API server's side of a label selector: whether a node's labels satisfy every requirement."""
+    return all(_matches(r, labels) for r in requirements)
 
 
 def rfc(t: float) -> str:

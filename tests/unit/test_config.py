@@ -116,7 +116,7 @@ def test_relative_paths_are_taken_against_the_working_directory(
     elif source == "env":
         env[o.env] = "rel/../sub/x"
     else:
-        file = write(tmp_path, f"version: v1\nplugin:\n  {o.key}: rel/../sub/x\n")
+        file = write(tmp_path, f"version: v1\nplugin:\n  {o.leaf}: rel/../sub/x\n")
     cfg = load(flags, env, file)
     monkeypatch.chdir("/")  # a later change of directory must not move the path
     assert getattr(cfg, name) == tmp_path / "sub" / "x"
@@ -148,7 +148,7 @@ def test_run_help_shows_the_real_defaults_and_the_choices(capsys: pytest.Capture
     assert "None" not in out and "Path(" not in out and "()" not in out
     assert "{nvml,simulated}" in out and "{text,json}" in out
 
-    from plugin.config import OPTIONS, default_text
+    from plugin.config import OPTIONS
     # One entry per option: its first line starts with the flag, the help may follow on the next line.
     entries = {e.split()[0]: " ".join(e.split()) for e in ("\n" + out).split("\n  -")[1:]}
     entries = {"-" + k: v for k, v in entries.items()}
@@ -157,7 +157,7 @@ def test_run_help_shows_the_real_defaults_and_the_choices(capsys: pytest.Capture
         line = entries[o.flag]
         if o.choices:
             assert "{" + ",".join(o.choices) + "}" in line, line
-        shown = default_text(o)
+        shown = o.default_text
         if shown is None:
             continue  # unset by default; the option's help says what that means
         assert f"(env {o.env}; default: {shown})" in line, line

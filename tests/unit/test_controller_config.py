@@ -16,8 +16,12 @@ import pytest
 import yaml
 
 from plugin.controller import config as ctl
-from plugin.controller.config import ControllerConfig, FieldError, Requirement, load, options_table
+from plugin.controller.config import ControllerConfig, FieldError, load, options_table
+from plugin.controller.patches import split_label
+from plugin.options.durations import format_duration, parse_duration
+from plugin.options.selectors import Requirement, parse_selector
 from scripts import gen_docs
+from tests.fakes.controller_api import selector_matches
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -94,7 +98,7 @@ def test_defaults_are_the_documented_ones() -> None:
     assert (cfg.lease_duration_s, cfg.renew_deadline_s, cfg.retry_period_s) == (15.0, 10.0, 2.0)
     assert cfg.max_quarantined_fraction == 0.1 and cfg.drain_per_minute == 10.0
     assert cfg.max_quarantined_nodes == 0  # no absolute cap unless asked
-    assert cfg.quarantine_label_pair is None and cfg.selector == ()
+    assert cfg.quarantine_label == "" and cfg.selector == ()
     assert json.loads(json.dumps(cfg.effective()))["identity"] == socket.gethostname()
 
 
@@ -201,7 +205,7 @@ def test_a_bare_off_in_yaml_turns_metrics_off(tmp_path: Path) -> None:
 
 def test_quarantine_label_and_selector_helpers() -> None:
     cfg = load(["--quarantine-label", "gpu-health.io/quarantined=true", "--node-selector", "gpu, zone in (a)"], {})
-    assert cfg.quarantine_label_pair == ("gpu-health.io/quarantined", "true")
+    assert split_label(cfg.quarantine_label) == ("gpu-health.io/quarantined", "true")
     assert cfg.selector == (Requirement("gpu", "exists"), Requirement("zone", "in", ("a",)))
 
 
@@ -370,22 +374,22 @@ def test_the_value_is_named_where_it_was_set_not_where_it_was_overridden(tmp_pat
     ("-5s", -5.0), ("1h0m0s", 3600.0),
 ])
 def test_durations(given: Any, seconds: float) -> None:
-    assert ctl.parse_duration(given) == seconds
+    assert parse_duration(given) == seconds
 
 
 @pytest.mark.parametrize("given", ["", "s", "1h30", "10 m", "1d", "m5", "5s5", "nan", "inf", "1e999", True, None,
                                    [1], float("nan")])
 def test_bad_durations(given: Any) -> None:
     with pytest.raises(ValueError, match="duration"):
-        ctl.parse_duration(given)
+        parse_duration(given)
 
 
 @pytest.mark.parametrize(("seconds", "text"), [
     (0, "0s"), (90, "1m30s"), (600, "10m"), (3600, "1h"), (5400, "1h30m"), (1.5, "1.5s"), (0.25, "0.25s"),
 ])
 def test_durations_written_back(seconds: float, text: str) -> None:
-    assert ctl.format_duration(seconds) == text
-    assert ctl.parse_duration(text) == seconds
+    assert format_duration(seconds) == text
+    assert parse_duration(text) == seconds
 
 
 @pytest.mark.parametrize(("text", "want"), [
@@ -403,7 +407,7 @@ def test_durations_written_back(seconds: float, text: str) -> None:
     ("k in (a,)", (Requirement("k", "in", ("a", "")),)),
 ])
 def test_selector_syntax(text: str, want: tuple[Requirement, ...]) -> None:
-    assert ctl.parse_selector(text) == want
+    assert parse_selector(text) == want
     assert load(["--node-selector", text], {}).node_selector == text.strip()
 
 
@@ -416,7 +420,7 @@ def test_selector_syntax(text: str, want: tuple[Requirement, ...]) -> None:
 ])
 def test_bad_selectors(text: str, why: str) -> None:
     with pytest.raises(ValueError, match="not a label selector") as err:
-        ctl.parse_selector(text)
+        parse_selector(text)
     assert why in str(err.value) and repr(text) in str(err.value)
     assert error(["--node-selector", text]).field == "--node-selector"
 
@@ -432,7 +436,7 @@ def test_bad_selectors(text: str, why: str) -> None:
     ("gpu,z in (x)", {"gpu": "1", "z": "x"}, True), ("gpu,z in (x)", {"z": "x"}, False),
 ])
 def test_selector_matching_is_kubernetes(selector: str, labels: dict[str, str], matches: bool) -> None:
-    assert ctl.selector_matches(ctl.parse_selector(selector), labels) is matches
+    assert selector_matches(parse_selector(selector), labels) is matches
 
 
 # --help and the command line -------------------------------------------------------------------------------------
