@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from plugin.configfile import read_document
+from plugin.options.document import read_document
 from plugin.options.table import Option, optional_path, sections
 from plugin.validation import FieldError, first_key
 
