@@ -79,6 +79,7 @@ def _quoted(text: str) -> None:
 def test_summary_and_device_value() -> None:
     ann = Scenario().annotations()
     _quoted(ann[f"{DEFAULT_PREFIX}/summary"])
+    _quoted(ann[f"{DEFAULT_PREFIX}/devices"])
     blocks = re.findall(r"```json\n(.*?)```", DOC, re.S)
     assert len(blocks) == 1
     shown, real = json.loads(blocks[0]), json.loads(ann[f"{DEFAULT_PREFIX}/gpu.3"])
