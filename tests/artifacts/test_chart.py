@@ -44,9 +44,9 @@ import yaml
 from plugin.health.reasons import KubeletHealth, State
 from plugin.validation import FieldError
 from scripts import helm as helm_build
-from tests.artifacts.test_manifests import _plugin_config, find, render, strict_problems
 from tests.conformance.apiserver import _binaries as binaries
 from tests.conformance.skips import build_or_skip
+from tests.artifacts.test_manifests import _plugin_config, find, render, strict_problems
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "gpu-health-device-plugin"

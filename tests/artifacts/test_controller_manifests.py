@@ -19,9 +19,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.artifacts.test_manifests import KUBE_VERSIONS, container, find, kinds, quantity, render
 from tests.conformance.apiserver import _binaries as binaries
 from tests.conformance.skips import build_or_skip
+from tests.artifacts.test_manifests import KUBE_VERSIONS, container, find, kinds, quantity, render
 
 REPO = Path(__file__).resolve().parents[2]
 MANIFESTS = REPO / "manifests"

@@ -10,16 +10,7 @@ import kubernetes_validate
 import pytest
 
 from scripts.localcluster import cluster as lc
-from tests.artifacts.test_manifests import (
-    KUBE_VERSIONS,
-    MANIFESTS,
-    NAME,
-    _plugin_config,
-    container,
-    find,
-    kubectl,
-    render,
-)
+from tests.artifacts.test_manifests import KUBE_VERSIONS, MANIFESTS, NAME, _plugin_config, container, find, kubectl, render
 
 __all__ = ["kubectl"]  # the fixture, shared with test_manifests
 
