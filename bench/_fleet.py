@@ -59,7 +59,7 @@ from plugin.health.node_state import DeviceStatus, Snapshot, Transition  # noqa:
 from plugin.health.reasons import Action, KubeletHealth, Reason, Source, State  # noqa: E402
 from plugin.kube.events import rfc3339  # noqa: E402
 from plugin.kube.names import COMPONENT, DEFAULT_PREFIX  # noqa: E402
-from plugin.outlets.annotations import desired_annotations, merge_patch  # noqa: E402
+from plugin.schema.annotations import desired_annotations, merge_patch  # noqa: E402
 from scripts import gobuild  # noqa: E402
 from tests.conformance.apiserver import _binaries  # noqa: E402
 from tests.conformance.apiserver.apiserver_peer import ApiServerPeer  # noqa: E402

@@ -8,7 +8,7 @@ scheduler lets it and its desired annotations differ from what it last wrote. Co
 transition (no coalescing).
 
 Idle polling is measured, not assumed: ``idle_poll_check`` runs one node's real health engine (the simulated backend,
-plugin/health/monitor.py) and computes its desired annotations (plugin/outlets/annotations.py) after each of a few
+plugin/health/monitor.py) and computes its desired annotations (plugin/schema/annotations.py) after each of a few
 polls of an unchanged node. If they moved (the defect of issue 12: ``since`` set to the time of each poll), every
 node would want a write at each poll and write at its token-bucket rate; the figure for that is reported beside
 the transition-driven ones, so the two can be compared.
@@ -43,8 +43,8 @@ from plugin.devices.simulated import SimulatedBackend
 from plugin.health.config import HealthConfig
 from plugin.health.monitor import Monitor
 from plugin.health.node_state import NodeState
-from plugin.outlets.annotations import desired_annotations, last_transitions
 from plugin.outlets.kube import WriteScheduler
+from plugin.schema.annotations import desired_annotations, last_transitions
 
 DAY = 86_400.0
 

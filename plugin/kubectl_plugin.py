@@ -24,7 +24,7 @@ from plugin.controller import fleetview
 from plugin.controller.nodes import CONTROLLER
 from plugin.health.reasons import State
 from plugin.kube.names import DEFAULT_PREFIX
-from plugin.outlets.annotations import STATE_KEY, DeviceEntry, parse_node
+from plugin.schema.annotations import DeviceEntry, decode
 from plugin.validation import check_prefix, is_dns_subdomain
 
 STATES = tuple(s.value for s in State)
@@ -150,11 +150,11 @@ def collect(nodes: list[dict[str, Any]], prefix: str, node_globs: Sequence[str],
         name = str(meta.get("name", ""))
         if node_globs and not any(fnmatch.fnmatchcase(name, g) for g in node_globs):
             continue
-        annotations = meta.get("annotations") or {}
-        if f"{prefix}/{STATE_KEY}" not in annotations:
+        agent = decode(meta.get("annotations") or {}, prefix, name)
+        if not agent.annotated:
             silent.append(name)
             continue
-        entries += [e for e in parse_node(name, annotations, prefix) if not states or e.state in states]
+        entries += [e for e in agent.devices if e.state and (not states or e.state in states)]
     return entries, silent
 
 

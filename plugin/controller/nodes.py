@@ -1,20 +1,19 @@
 """What the controller keeps of a Node: the few facts its rules and its patches need, read from the Node's JSON.
 
 A fleet of 5,000 Nodes is held in memory; each one's full JSON (status images, conditions, managed fields) is many
-kilobytes, so only these facts are kept. The annotations the node agent writes (docs/annotations.md) are parsed here
-once per change, never by the rules.
+kilobytes, so only these facts are kept. The annotations the node agent writes (docs/annotations.md) are decoded
+here, by the schema's codec, once per change, never by the rules.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from plugin.health.reasons import Action, State
+from plugin.schema.annotations import STATE_KEY, SUMMARY_KEY, DeviceEntry, decode
 
 GPU_RESOURCE = "nvidia.com/gpu"  # and every resource named after it: nvidia.com/gpu.shared, nvidia.com/mig-1g.10gb
 MIG_RESOURCE = "nvidia.com/mig-"
@@ -28,10 +27,6 @@ OWN_CORDON = "cordon"
 OWN_LABEL = "label"
 # Not a thing to take back: someone took our NoExecute taint off, and it is not put back during this quarantine.
 NO_EXECUTE_REMOVED = "noexecute-removed"
-
-_DEVICE_KEY = re.compile(r"(gpu\.\d+(\.mig\.\d+\.\d+)?|dev\.[0-9a-f]{16})")
-_SUMMARY_TOTAL = re.compile(r": (\d+) devices? \(")
-
 
 OWNER_SUBDOMAIN = "controller"
 
@@ -56,11 +51,11 @@ class Keys:
 
     @property
     def state(self) -> str:
-        return f"{self.prefix}/state"
+        return f"{self.prefix}/{STATE_KEY}"
 
     @property
     def summary(self) -> str:
-        return f"{self.prefix}/summary"
+        return f"{self.prefix}/{SUMMARY_KEY}"
 
     @property
     def taint(self) -> str:
@@ -145,7 +140,9 @@ class NodeFacts:
     annotated: bool  # the node agent's state annotation is there
     node_state: str  # its value, "" when not annotated
     devices: tuple[Device, ...]
-    device_total: int  # from the summary when entries were truncated, else len(gpus)
+    # Physical GPUs: the agent's count, else those the entries show; None when neither can say (an older agent
+    # whose entries the size cap cut: the ones left are the worst, and counting only them would inflate a share).
+    device_total: int | None
     taints: tuple[Mapping[str, Any], ...]
     unschedulable: bool
     labels: Mapping[str, str]
@@ -189,20 +186,9 @@ def gpu_count(resources: object) -> int:
     return total
 
 
-def _device(name: str, raw: str) -> Device | None:
-    try:
-        doc = json.loads(raw)
-    except ValueError:
-        return None
-    if not isinstance(doc, dict):
-        return None
-    reasons = doc.get("reasons") or []
-    code = ""
-    if isinstance(reasons, list) and reasons and isinstance(reasons[0], dict):
-        code = str(reasons[0].get("code") or "")
-    ident = str(doc.get("id") or name)
-    return Device(key=name, gpu=str(doc.get("parent") or ident), state=str(doc.get("state") or ""),
-                  action=str(doc.get("action") or Action.NONE), code=code, since=parse_time(doc.get("since")))
+def _device(e: DeviceEntry) -> Device:
+    return Device(key=e.key, gpu=e.gpu, state=e.state, action=e.action or Action.NONE, code=e.code,
+                  since=parse_time(e.since))
 
 
 def facts_of(node: Mapping[str, Any], keys: Keys) -> NodeFacts:
@@ -210,19 +196,9 @@ def facts_of(node: Mapping[str, Any], keys: Keys) -> NodeFacts:
     spec = node.get("spec") or {}
     status = node.get("status") or {}
     annotations: Mapping[str, str] = meta.get("annotations") or {}
-    prefix = keys.prefix + "/"
-    devices: list[Device] = []
-    for key, value in annotations.items():
-        if key.startswith(prefix) and _DEVICE_KEY.fullmatch(key[len(prefix):]):
-            d = _device(key[len(prefix):], value)
-            if d is not None:
-                devices.append(d)
-    devices.sort(key=lambda d: d.key)
-    gpus = {d.gpu for d in devices}
-    total = len(gpus)
-    m = _SUMMARY_TOTAL.search(annotations.get(keys.summary, ""))
-    if m and annotations.get(f"{keys.prefix}/truncated"):
-        total = max(total, int(m.group(1)))
+    agent = decode(annotations, keys.prefix)
+    # Sorted by key as text: the order the rules list devices in their messages.
+    devices = sorted((_device(e) for e in agent.devices), key=lambda d: d.key)
     taints = tuple(t for t in (spec.get("taints") or []) if isinstance(t, dict))
     quarantine = None
     if annotations.get(keys.by) == CONTROLLER:
@@ -236,8 +212,9 @@ def facts_of(node: Mapping[str, Any], keys: Keys) -> NodeFacts:
         resource_version=str(meta.get("resourceVersion") or ""),
         gpu_capacity=gpu_count(status.get("capacity")),
         gpu_allocatable=gpu_count(status.get("allocatable")),
-        annotated=keys.state in annotations, node_state=str(annotations.get(keys.state, "")),
-        devices=tuple(devices), device_total=total, taints=taints, unschedulable=bool(spec.get("unschedulable")),
+        annotated=agent.annotated, node_state=agent.state,
+        devices=tuple(devices), device_total=agent.gpu_count, taints=taints,
+        unschedulable=bool(spec.get("unschedulable")),
         labels=dict(meta.get("labels") or {}), quarantine=quarantine,
         foreign_taint=has_taint and quarantine is None,
     )

@@ -64,11 +64,13 @@ def _annotated(f: NodeFacts, rules: Rules) -> Assessment:
             return Assessment(REBOOT_REQUIRED, "reboot-node asked for by " + _list(asking), False)
     bad = [d for d in f.devices if d.state == State.UNHEALTHY]
     bad_gpus = len({d.gpu for d in bad})
-    total = max(f.device_total, bad_gpus)
+    # An unknown total (an older agent's truncated entries) leaves the share rule out rather than guess it.
+    total = None if f.device_total is None else max(f.device_total, bad_gpus)
     fired = (rules.unhealthy_devices and bad_gpus >= rules.unhealthy_devices) or (
         rules.unhealthy_fraction and total and bad_gpus / total >= rules.unhealthy_fraction)
     if bad_gpus and fired:
-        return Assessment(UNHEALTHY_DEVICES, f"{bad_gpus} of {total} GPUs Unhealthy: " + _list(bad), False)
+        of = "an unknown number of" if total is None else total
+        return Assessment(UNHEALTHY_DEVICES, f"{bad_gpus} of {of} GPUs Unhealthy: " + _list(bad), False)
     # Fit needs GPUs to be seen at all: device entries, or a capacity (the agent may have withdrawn every entry).
     visible = bool(f.devices) or f.gpu_capacity > 0
     fit = visible and f.node_state in HEALTHY_STATES and not bad and all(d.state in HEALTHY_STATES for d in f.devices)

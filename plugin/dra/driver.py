@@ -34,7 +34,6 @@ from plugin.dra.checkpoint import Checkpoint, CheckpointError, CheckpointUnreada
 from plugin.dra.slices import DRIVER, SliceSettings, allocatable, device_names, device_plan
 from plugin.health.node_state import DeviceStatus, NodeState
 from plugin.kube.client import ApiFailure, ClaimApi
-from plugin.outlets.annotations import top_reasons
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +93,7 @@ def check_request(claims: Sequence[ClaimRef]) -> None:
 
 
 def _why(status: DeviceStatus) -> str:
-    top = top_reasons(status.reasons)
+    top = status.reasons
     return top[0].code if top else status.state.value
 
 

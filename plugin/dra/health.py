@@ -25,7 +25,6 @@ from api.drahealth.v1alpha1 import api_pb2_grpc as v1alpha1_grpc
 from plugin.dra.slices import DRIVER, device_names
 from plugin.health.node_state import NodeState, Snapshot
 from plugin.health.reasons import State
-from plugin.outlets.annotations import top_reasons
 from plugin.sockets import client_left
 from plugin.validation import FieldError
 
@@ -97,7 +96,7 @@ def device_health(snapshot: Snapshot, names: Mapping[str, str] | None,
         name = names.get(d.gpu.uuid)
         if name is None:
             continue
-        top = top_reasons(d.reasons)
+        top = d.reasons
         reason = _short(f"{top[0].code}: {top[0].message}") if top else ""
         if d.state is State.HEALTHY:
             health, message = HEALTHY, ""

@@ -41,7 +41,6 @@ from plugin.health.node_state import DeviceStatus
 from plugin.health.reasons import KubeletHealth, State
 from plugin.kube.events import rfc3339
 from plugin.kube.names import COMPONENT, DEFAULT_PREFIX
-from plugin.outlets.annotations import top_reasons
 from plugin.validation import FieldError, check_prefix, is_dns_subdomain
 
 DRIVER = "gpu.gpu-health.io"
@@ -253,7 +252,7 @@ def _taint(key: str, effect: str, status: DeviceStatus, settings: SliceSettings)
     taint without one, and then the stored copy never matches ours. A change of reason within one state keeps the
     time, as the API documents for a changed value."""
     taint = {"key": f"{settings.taint_prefix}/{key}"}
-    top = top_reasons(status.reasons)
+    top = status.reasons
     value = taint_value(top[0].code) if top else ""
     if value:
         taint["value"] = value

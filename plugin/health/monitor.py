@@ -252,7 +252,7 @@ class Monitor:
                 if own is not None:
                     o_state, o_reasons = own.update(now)
                     m_state = State.worst(state, o_state)
-                    m_reasons = tuple(sorted(o_reasons + reasons, key=lambda r: -r.severity.rank))
+                    m_reasons = o_reasons + reasons
                     m_since = max(m_since, own.since)
                 statuses.append(DeviceStatus(mig.uuid, gpu, m_state, m_reasons, m_since, mapping[m_state], mig))
         transitions = self.state.publish(statuses, now, error)

@@ -14,9 +14,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from plugin.devices.model import Gpu, MigDevice
-from plugin.health.reasons import KubeletHealth, Reason, State
+from plugin.health.reasons import KubeletHealth, Reason, State, worst_first
 
 ABSENT = "Absent"  # the pseudo-state of a device before it appears and after it is gone
+
+
+def _ordered(reasons: tuple[Reason, ...]) -> tuple[Reason, ...]:
+    return worst_first(reasons) if len(reasons) > 1 else tuple(reasons)
 
 
 @dataclass(frozen=True)
@@ -24,10 +28,15 @@ class DeviceStatus:
     id: str
     gpu: Gpu  # the physical GPU (a MIG device's parent)
     state: State
-    reasons: tuple[Reason, ...]
+    reasons: tuple[Reason, ...]  # worst first (reasons.worst_first), whatever order the writer gave
     since: float
     kubelet_health: KubeletHealth
     mig: MigDevice | None = None
+
+    def __post_init__(self) -> None:
+        # Ordered where it is published, once: annotations, Events, the condition, DRA, the health API and the CLI
+        # all read reasons[0] as the worst, and none of them sorts.
+        object.__setattr__(self, "reasons", _ordered(self.reasons))
 
     @property
     def parent_id(self) -> str:
@@ -40,8 +49,11 @@ class Transition:
     id: str
     from_state: str
     to_state: str
-    reasons: tuple[Reason, ...]
+    reasons: tuple[Reason, ...]  # worst first, as in DeviceStatus (a saved one may predate the order)
     time: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "reasons", _ordered(self.reasons))
 
     def to_dict(self) -> dict[str, Any]:
         return {"seq": self.seq, "id": self.id, "from": self.from_state, "to": self.to_state,

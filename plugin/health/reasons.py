@@ -6,6 +6,7 @@ REASONS is the only place a code's severity and action are written down: the pol
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -45,8 +46,9 @@ class Action(StrEnum):
     CONTACT_SUPPORT = "contact-support"
 
 
-# Lightest first: docs/reasons.md lists them in this order, and annotations rank equally severe reasons by it.
+# Lightest first: docs/reasons.md lists them in this order, and worst_first ranks equally severe reasons by it.
 ACTIONS: tuple[Action, ...] = tuple(Action)
+_ACTION_RANK = {a: i for i, a in enumerate(ACTIONS)}
 
 
 class Source(StrEnum):
@@ -92,6 +94,19 @@ class Reason:
     @staticmethod
     def of(c: Condition, first_seen: float) -> Reason:
         return Reason(c.code, c.severity, c.message, c.source, c.action, first_seen)
+
+
+def reason_order(r: Reason) -> tuple[int, int, float, str]:
+    """The one meaning of "worst reason first": the most severe; among equally severe ones the heavier action (what
+    an operator must do is set by the heaviest remedy asked for); then the one seen first (the earlier fault is
+    more often the cause of a later one); then the code, so that equal reasons still have one order."""
+    return (-r.severity.rank, -_ACTION_RANK.get(r.action, 0), r.first_seen, r.code)
+
+
+def worst_first(reasons: Iterable[Reason]) -> tuple[Reason, ...]:
+    """Reasons in :func:`reason_order`. A device's status and its transitions hold their reasons in this order
+    (health/node_state.py), so every reader takes ``reasons[0]`` as the worst and never sorts again."""
+    return tuple(sorted(reasons, key=reason_order))
 
 
 @dataclass(frozen=True)

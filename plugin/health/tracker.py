@@ -20,7 +20,7 @@ from plugin.health.reasons import SPECS, Condition, Reason, Source, State
 
 class Verdict(NamedTuple):
     state: State
-    reasons: tuple[Reason, ...]  # worst first
+    reasons: tuple[Reason, ...]  # one per code; the DeviceStatus they are published in puts them worst first
 
 
 @dataclass
@@ -183,14 +183,14 @@ class DeviceTracker:
         return Verdict(self.state, tuple(reasons))
 
     def _merged(self) -> list[Reason]:
-        """Latched and polled reasons, one per code at its worst severity and earliest first_seen, worst first."""
+        """Latched and polled reasons, one per code at its worst severity and earliest first_seen."""
         merged: dict[str, Reason] = {}
         for r in [lt.reason for lt in self._latched.values()] + [p.reason for p in self._polled.values()]:
             have = merged.get(r.code)
             if have is None or r.severity.rank > have.severity.rank:
                 merged[r.code] = r if have is None else Reason(r.code, r.severity, r.message, r.source, r.action,
                                                                min(r.first_seen, have.first_seen))
-        return sorted(merged.values(), key=lambda r: (-r.severity.rank, r.first_seen, r.code))
+        return list(merged.values())
 
     def _flapping(self, first_seen: float) -> Reason:
         # The table gives the action; the severity is the state held, which is the point of the reason.

@@ -15,7 +15,7 @@ from typing import Any
 from plugin.health.node_state import Snapshot
 from plugin.health.reasons import State
 from plugin.kube.events import rfc3339, truncate
-from plugin.outlets.annotations import device_names, top_reasons
+from plugin.schema.annotations import device_names
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def desired_condition(snapshot: Snapshot, ctype: str) -> DesiredCondition:
         head = f"no Unhealthy GPU devices ({n} devices, {degraded} Degraded)"
     parts = []
     for d in sorted(bad, key=lambda d: names[d.id]):
-        codes = ", ".join(r.code for r in top_reasons(d.reasons)) or "no reason given"
+        codes = ", ".join(r.code for r in d.reasons) or "no reason given"
         parts.append(f"{names[d.id]} ({d.id}): {codes}")
     message = head + (": " + "; ".join(parts) if parts else "")
     return DesiredCondition(ctype, status, reason, truncate(message))

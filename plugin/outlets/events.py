@@ -17,7 +17,6 @@ from typing import Any
 from plugin.health.node_state import ABSENT, Transition
 from plugin.health.reasons import State
 from plugin.kube.events import Involved, event_body, rfc3339, truncate
-from plugin.outlets.annotations import top_reasons
 
 BAD_STATES = frozenset({State.DEGRADED.value, State.UNHEALTHY.value, State.UNKNOWN.value})
 
@@ -46,7 +45,7 @@ def event_for(t: Transition, device: str) -> EventSpec | None:
         return None
     reason = _INTO.get(t.to_state, "GPUStateChanged")
     kind = "Warning" if t.to_state in BAD_STATES else "Normal"
-    reasons = top_reasons(t.reasons)
+    reasons = t.reasons
     codes = tuple(r.code for r in reasons)
     msg = f"{device} ({t.id}): {t.from_state} -> {t.to_state}"
     if reasons:

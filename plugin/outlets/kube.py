@@ -32,16 +32,16 @@ from plugin.backoff import Backoff
 from plugin.health.node_state import NodeState, Snapshot, Transition
 from plugin.kube.client import ApiFailure, KubeApi, NodeView
 from plugin.kube.names import DEFAULT_PREFIX
-from plugin.outlets.annotations import (
+from plugin.outlets.condition import DesiredCondition, desired_condition, find_condition
+from plugin.outlets.events import Entry, EventAggregator
+from plugin.outlets.worker import Closeable, OutletThread
+from plugin.schema.annotations import (
     DEFAULT_MAX_BYTES,
     desired_annotations,
     device_names,
     last_transitions,
     merge_patch,
 )
-from plugin.outlets.condition import DesiredCondition, desired_condition, find_condition
-from plugin.outlets.events import Entry, EventAggregator
-from plugin.outlets.worker import Closeable, OutletThread
 
 log = logging.getLogger(__name__)
 

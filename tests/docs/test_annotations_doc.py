@@ -21,9 +21,9 @@ from plugin.health.config import DEFAULT_KUBELET_HEALTH, HealthConfig
 from plugin.health.node_state import DeviceStatus, NodeState, Snapshot
 from plugin.health.tracker import DeviceTracker
 from plugin.kube.names import DEFAULT_PREFIX
-from plugin.outlets.annotations import desired_annotations, last_transitions
 from plugin.outlets.condition import desired_condition
 from plugin.outlets.events import event_for
+from plugin.schema.annotations import desired_annotations, last_transitions
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "annotations.md").read_text()
 T0 = 1_767_225_600.0  # 2026-01-01T00:00:00Z
@@ -79,6 +79,7 @@ def _quoted(text: str) -> None:
 def test_summary_and_device_value() -> None:
     ann = Scenario().annotations()
     _quoted(ann[f"{DEFAULT_PREFIX}/summary"])
+    _quoted(ann[f"{DEFAULT_PREFIX}/devices"])
     blocks = re.findall(r"```json\n(.*?)```", DOC, re.S)
     assert len(blocks) == 1
     shown, real = json.loads(blocks[0]), json.loads(ann[f"{DEFAULT_PREFIX}/gpu.3"])

@@ -13,10 +13,10 @@ from plugin.backoff import Backoff
 from plugin.config import ConfigError, load
 from plugin.health.node_state import ABSENT, NodeState, Transition
 from plugin.health.reasons import Reason, State
-from plugin.outlets import annotations as ann
 from plugin.outlets.condition import desired_condition
 from plugin.outlets.events import EventAggregator, event_for
 from plugin.outlets.kube import TokenBucket, WriteScheduler
+from plugin.schema import annotations as ann
 from plugin.validation import check_condition_type, check_prefix
 from tests.fakes.node_devices import MESSAGES, Node, gpu, reason, status
 
@@ -34,8 +34,9 @@ def test_keys_are_short_stable_and_carry_the_uuid_in_the_value() -> None:
     g3, g12 = gpu(3, migs=2), gpu(12)
     snap = snapshot(status(g3), status(g3, mig=g3.mig_devices[1]), status(g12))
     d = ann.desired_annotations(snap, {}).annotations
-    assert set(d) == {f"{P}/schema", f"{P}/state", f"{P}/summary", f"{P}/gpu.3", f"{P}/gpu.3.mig.2.0",
-                      f"{P}/gpu.12"}
+    assert set(d) == {f"{P}/schema", f"{P}/state", f"{P}/summary", f"{P}/devices", f"{P}/gpu.3",
+                      f"{P}/gpu.3.mig.2.0", f"{P}/gpu.12"}
+    assert d[f"{P}/devices"] == '{"total":3,"gpus":2}'
     assert all(len(k.split("/", 1)[1]) <= 63 for k in d)
     assert json.loads(d[f"{P}/gpu.3"])["id"] == g3.uuid
     mig = json.loads(d[f"{P}/gpu.3.mig.2.0"])
@@ -108,7 +109,7 @@ def test_full_mig_node_is_far_under_the_api_limit() -> None:
         node.current[node.gpus[i].uuid] = status(node.gpus[i], State.UNHEALTHY, "xid-79", "ecc-uncorrected")
     node.publish(T0)
     d = ann.desired_annotations(node.state.snapshot(), {}, P, ann.DEFAULT_MAX_BYTES)
-    assert d.truncated == 0 and len(d.annotations) == 3 + 8 + 56
+    assert d.truncated == 0 and len(d.annotations) == 4 + 8 + 56
     assert ann.size_of(d.annotations) < ann.API_LIMIT_BYTES // 8, ann.size_of(d.annotations)
 
 

@@ -12,7 +12,7 @@ import pytest
 from plugin import kubectl_plugin
 from plugin.health.node_state import NodeState
 from plugin.health.reasons import State
-from plugin.outlets.annotations import desired_annotations
+from plugin.schema.annotations import desired_annotations
 from tests.fakes.node_devices import Node
 
 T0 = 1_767_225_600.0

@@ -73,12 +73,30 @@ def test_devices_are_read_from_their_keys_only_and_sorted() -> None:
     assert f.device_total == 3
 
 
-def test_the_summary_gives_the_gpu_total_only_when_entries_were_truncated() -> None:
-    doc = gpu_node("n", gpus=2)
-    doc["metadata"]["annotations"][f"{P}/summary"] = "Unhealthy: 8 devices (6 Healthy, 2 Unhealthy); gpu.2 ..."
+def test_the_gpu_total_is_the_agents_count_else_the_entries_and_unknown_once_an_older_agent_truncated() -> None:
+    doc = gpu_node("n", gpus=2)  # as an older agent writes it: no count key
+    ann = doc["metadata"]["annotations"]
+    ann[f"{P}/summary"] = "Unhealthy: 8 devices (6 Healthy, 2 Unhealthy); gpu.2 ..."  # for people: never parsed
     assert facts(doc).device_total == 2
-    doc["metadata"]["annotations"][f"{P}/truncated"] = "6 device entries omitted: over the 65536-byte cap"
+    ann[f"{P}/truncated"] = "6 device entries omitted: over the 65536-byte cap"
+    assert facts(doc).device_total is None
+    ann[f"{P}/devices"] = '{"total":8,"gpus":8}'
     assert facts(doc).device_total == 8
+    del ann[f"{P}/truncated"]
+    ann[f"{P}/devices"] = '{"total":1,"gpus":1}'  # never fewer than the entries show
+    assert facts(doc).device_total == 2
+
+
+def test_an_unknown_total_leaves_the_share_rule_out_and_the_count_rule_in() -> None:
+    doc = gpu_node("n", {0: "Unhealthy"}, gpus=2)
+    doc["metadata"]["annotations"][f"{P}/truncated"] = "6 device entries omitted: over the 65536-byte cap"
+    share = Rules(unhealthy_devices=0, unhealthy_fraction=0.5)
+    assert assess(facts(doc), share).reason is None
+    a = assess(facts(doc), Rules(unhealthy_devices=1))
+    assert a.reason == UNHEALTHY_DEVICES and a.message.startswith("1 of an unknown number of GPUs Unhealthy: gpu.0")
+    doc["metadata"]["annotations"][f"{P}/devices"] = '{"total":8,"gpus":8}'
+    assert assess(facts(doc), Rules(unhealthy_devices=0, unhealthy_fraction=0.125)).reason == UNHEALTHY_DEVICES
+    assert assess(facts(doc), share).reason is None
 
 
 def test_our_quarantine_is_read_only_when_quarantined_by_names_this_controller() -> None:

@@ -21,7 +21,7 @@ from plugin.controller import fleetview, nodes, patches
 from plugin.controller.breaker import Breaker, BreakerState, limit_for
 from plugin.health.node_state import NodeState
 from plugin.health.reasons import State
-from plugin.outlets.annotations import desired_annotations
+from plugin.schema.annotations import desired_annotations
 from tests.fakes.fake_apiserver import merge
 from tests.fakes.node_devices import Node
 

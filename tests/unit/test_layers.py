@@ -26,6 +26,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("devices", ("plugin.devices",)),
     ("health", ("plugin.health",)),
     ("sharing", ("plugin.sharing",)),
+    ("schema", ("plugin.schema",)),
     ("kubelet", ("plugin.kubelet",)),
     ("outlets", ("plugin.outlets",)),
     ("dra", ("plugin.dra",)),
@@ -50,16 +51,20 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     # The sharing concept (the section, its pools and selections) knows devices, not the kubelet that serves it,
     # so the config can hold it without reaching into the kubelet side.
     "sharing": frozenset({"base", "devices"}),
+    # The codecs of what the agent writes on the cluster (node annotations), shared by the agent's outlets that
+    # encode and the readers that decode (the controller, kubectl gpu-health): the node state in, kube's RFC 3339
+    # times and default prefix.
+    "schema": _BELOW_KUBELET | {"kube"},
     "kubelet": _BELOW_KUBELET | {"sharing"},
-    "outlets": _BELOW_KUBELET | _INFRA,
+    "outlets": _BELOW_KUBELET | _INFRA | {"schema"},
     # DRA mode serves the kubelet (a kubelet-side job) from what the outlets know of slices and claims.
-    "dra": _BELOW_KUBELET | _INFRA | {"kubelet", "outlets"},
+    "dra": _BELOW_KUBELET | _INFRA | {"schema", "kubelet", "outlets"},
     "config": _BELOW_KUBELET | {"sharing", "options"},
-    # The fleet controller is a program of its own beside the node agent: the shared infrastructure and the reason
-    # names of health, nothing of the agent's kubelet side, outlets, DRA mode, config or app.
-    "controller": _BELOW_KUBELET | _INFRA,
-    "app": _BELOW_KUBELET | _INFRA | {"sharing", "kubelet", "outlets", "dra", "config"},
-    "cli": _BELOW_KUBELET | _INFRA | {"sharing", "kubelet", "outlets", "dra", "config", "app", "controller"},
+    # The fleet controller is a program of its own beside the node agent: the shared infrastructure, the reason
+    # names of health and the annotation codec, nothing of the agent's kubelet side, outlets, DRA mode, config or app.
+    "controller": _BELOW_KUBELET | _INFRA | {"schema"},
+    "app": _BELOW_KUBELET | _INFRA | {"sharing", "schema", "kubelet", "outlets", "dra", "config"},
+    "cli": _BELOW_KUBELET | _INFRA | {"sharing", "schema", "kubelet", "outlets", "dra", "config", "app", "controller"},
 }
 
 

@@ -21,8 +21,8 @@ from plugin.app import App
 from plugin.config import Config
 from plugin.devtools.standin import KubeletStandin
 from plugin.health.config import HealthConfig
-from plugin.outlets.annotations import parse_node
 from plugin.outlets.condition import desired_condition, find_condition
+from plugin.schema.annotations import parse_node
 from tests.conformance.apiserver.flaky_proxy import FlakyProxy
 from tests.conftest import NodeFile
 

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from plugin.devtools.standin import KubeletStandin
-from plugin.outlets.annotations import parse_node
+from plugin.schema.annotations import parse_node
 from tests.conftest import NodeFile
 
 pytestmark = [pytest.mark.conformance, pytest.mark.slow]

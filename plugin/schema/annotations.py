@@ -1,14 +1,18 @@
-"""Node annotations: what the node state should look like on the Node object, as pure functions.
+"""The node annotation schema (docs/annotations.md): its one codec, both directions, as pure functions.
 
-No I/O and no clock: the writer (``kube.py``) hands in a snapshot and the last transition of each device and gets
-back the annotations we want, then the merge patch that turns what the server has into that. The schema is
-documented in ``docs/annotations.md``; bump ``SCHEMA_VERSION`` on any incompatible change.
+Encoding: the agent's writer (``outlets/kube.py``) hands in a snapshot and the last transition of each device and
+gets back the annotations we want, then the merge patch that turns what the server has into that; no I/O and no
+clock. Decoding: the fleet controller, ``kubectl gpu-health`` and the tests turn a Node's annotations back into typed
+values with :func:`decode`. Nothing else reads these keys. Bump ``SCHEMA_VERSION`` on any incompatible change.
 
 Keys (``<prefix>`` is ``gpu-health.io`` by default):
 
 - ``<prefix>/schema``: the schema version.
 - ``<prefix>/state``: the worst device state on the node (one word, for ``kubectl get -o custom-columns``).
-- ``<prefix>/summary``: one readable line: counts per state and the worst devices with their top reason.
+- ``<prefix>/summary``: one readable line: counts per state and the worst devices with their top reason. For
+  people: readers take counts from ``devices``, never from this line.
+- ``<prefix>/devices``: how many devices and physical GPUs the node has, ``{"total":N,"gpus":G}``, whatever the size
+  cap dropped. Added within v1: a node written by an older agent has no such key.
 - ``<prefix>/gpu.<index>`` and ``<prefix>/gpu.<index>.mig.<gi>.<ci>``: one compact JSON value per device. Key names
   must fit 63 characters, which a GPU UUID after ``gpu.`` does not, so the key uses the index and the value carries
   the UUID. A device whose key would clash or not fit gets ``dev.<16 hex digits of sha256(id)>``.
@@ -22,9 +26,10 @@ import json
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import TypeGuard
 
 from plugin.health.node_state import ABSENT, DeviceStatus, Snapshot, Transition
-from plugin.health.reasons import ACTIONS, Reason, State
+from plugin.health.reasons import Action, State
 from plugin.kube.events import rfc3339
 from plugin.kube.names import DEFAULT_PREFIX
 from plugin.validation import is_qualified_name
@@ -40,7 +45,8 @@ SCHEMA_KEY = "schema"
 STATE_KEY = "state"
 SUMMARY_KEY = "summary"
 TRUNCATED_KEY = "truncated"
-FIXED_KEYS = (SCHEMA_KEY, STATE_KEY, SUMMARY_KEY, TRUNCATED_KEY)
+COUNT_KEY = "devices"
+FIXED_KEYS = (SCHEMA_KEY, STATE_KEY, SUMMARY_KEY, COUNT_KEY, TRUNCATED_KEY)
 
 _DEVICE_NAME_RE = re.compile(r"^(gpu\.\d+(\.mig\.\d+\.\d+)?|dev\.[0-9a-f]{16})$")
 
@@ -85,19 +91,9 @@ def _short(message: str) -> str:
     return message if len(message) <= MESSAGE_MAX else message[:MESSAGE_MAX - 3] + "..."
 
 
-def _reason_order(r: Reason) -> tuple[int, int, str]:
-    action = ACTIONS.index(r.action) if r.action in ACTIONS else 0
-    return (-r.severity.rank, -action, r.code)
-
-
-def top_reasons(reasons: Iterable[Reason]) -> list[Reason]:
-    """Worst first: severity, then the heavier action, then code (stable output for equal reasons)."""
-    return sorted(reasons, key=_reason_order)
-
-
-def recommended_action(reasons: Iterable[Reason]) -> str:
-    ordered = top_reasons(reasons)
-    return ordered[0].action if ordered else "none"
+def recommended_action(d: DeviceStatus) -> str:
+    """The action of the device's worst reason (its reasons are worst first: health/node_state.py)."""
+    return d.reasons[0].action if d.reasons else Action.NONE.value
 
 
 def last_transitions(history: Iterable[Transition]) -> dict[str, Transition]:
@@ -112,12 +108,12 @@ def last_transitions(history: Iterable[Transition]) -> dict[str, Transition]:
 
 def device_value(d: DeviceStatus, last: Transition | None, minimal: bool = False) -> str:
     """Compact JSON for one device. ``minimal`` drops the reason messages (the first step of truncation)."""
-    reasons = top_reasons(d.reasons)
+    reasons = d.reasons
     doc: dict[str, object] = {"id": d.id, "state": d.state.value}
     if d.mig is not None:
         doc["parent"] = d.gpu.uuid
         doc["profile"] = d.mig.profile
-    doc["action"] = recommended_action(reasons)
+    doc["action"] = recommended_action(d)
     doc["since"] = rfc3339(d.since)
     if last is not None:
         doc["lastTransition"] = rfc3339(last.time)
@@ -153,7 +149,7 @@ def summary_line(snapshot: Snapshot, names: Mapping[str, str]) -> str:
                  key=lambda d: _severity_order(d, names[d.id]))
     worst = []
     for d in bad[:SUMMARY_WORST]:
-        top = top_reasons(d.reasons)
+        top = d.reasons
         why = f" {top[0].code} ({top[0].action})" if top else ""
         worst.append(f"{names[d.id]} {d.state.value}{why}")
     if len(bad) > SUMMARY_WORST:
@@ -188,6 +184,7 @@ def desired_annotations(snapshot: Snapshot, last: Mapping[str, Transition], pref
         f"{prefix}/{SCHEMA_KEY}": SCHEMA_VERSION,
         f"{prefix}/{STATE_KEY}": node_state(snapshot).value,
         f"{prefix}/{SUMMARY_KEY}": summary_line(snapshot, names),
+        f"{prefix}/{COUNT_KEY}": count_value(snapshot),
     }
     devices = {f"{prefix}/{names[d.id]}": device_value(d, last.get(d.id)) for d in snapshot.devices}
     full = {**fixed, **devices}
@@ -211,6 +208,13 @@ def desired_annotations(snapshot: Snapshot, last: Mapping[str, Transition], pref
     return Desired({**fixed, **dict(sorted(kept.items())), marker_key: _marker(dropped, max_bytes)}, dropped)
 
 
+def count_value(snapshot: Snapshot) -> str:
+    """``{"total":N,"gpus":G}``: every device (whole GPUs and MIG devices, as the summary counts them) and the
+    physical GPUs among them. Written always, so a reader needs no device entry to know the node's size."""
+    gpus = len({d.gpu.uuid for d in snapshot.devices})
+    return json.dumps({"total": len(snapshot.devices), "gpus": gpus}, separators=(",", ":"))
+
+
 def _marker(dropped: int, max_bytes: int) -> str:
     return f"{dropped} device entries omitted: over the {max_bytes}-byte cap (--annotation-max-bytes)"
 
@@ -229,41 +233,124 @@ def merge_patch(current: Mapping[str, str], desired: Mapping[str, str], prefix: 
     return patch
 
 
-# Reading (the kubectl plugin, tests) ----------------------------------------------------------------------------
+# Decoding (the fleet controller, kubectl gpu-health, tests) --------------------------------------------------------
 
 @dataclass(frozen=True)
 class DeviceEntry:
+    """One device value as read back. Every field is text, "" when the value lacks it: a value may have been
+    edited by hand (the next resync repairs it), and each reader decides what a gap means to it."""
+
     node: str
     key: str  # the name after the prefix, e.g. gpu.3
     id: str
-    state: str
+    state: str  # "" when the value has no state (or not a string): no device state can be read from it
     action: str
     since: str
     last_transition: str
-    reasons: tuple[dict[str, str], ...]
+    reasons: tuple[dict[str, str], ...]  # worst first, as written
     profile: str = ""
+    parent: str = ""  # a MIG device's GPU
+    from_state: str = ""
+
+    @property
+    def gpu(self) -> str:
+        """The physical GPU the device belongs to: a MIG device's parent, else the device itself."""
+        return self.parent or self.id or self.key
+
+    @property
+    def code(self) -> str:
+        """The code of the worst reason, "" when there is none."""
+        return self.reasons[0].get("code", "") if self.reasons else ""
+
+
+@dataclass(frozen=True)
+class NodeAnnotations:
+    schema: str  # "" when absent
+    state: str  # "" when absent
+    annotated: bool  # the state key is there: an agent writes (or wrote) this node
+    summary: str
+    truncated: bool  # the size cap dropped device entries
+    devices: tuple[DeviceEntry, ...]  # gpu.2 before gpu.10
+    # Devices (whole GPUs and MIG devices) and physical GPUs on the node, never fewer than the entries show. None
+    # when unknown: an older agent writes no count, and once it truncated, the entries left are only the worst.
+    device_count: int | None
+    gpu_count: int | None
+
+
+def decode(annotations: Mapping[str, str], prefix: str = DEFAULT_PREFIX, node: str = "") -> NodeAnnotations:
+    """A node's annotations of ours, typed. Device values that are not our JSON are skipped, not fatal: an operator
+    may have edited one by hand, and the next resync repairs it. Keys outside the prefix, and keys under it that are
+    not ours, are never read."""
+    devices: list[DeviceEntry] = []
+    for k, v in annotations.items():
+        name = _our_name(k, prefix)
+        if name is None or name in FIXED_KEYS:
+            continue
+        entry = _device_entry(node, name, v)
+        if entry is not None:
+            devices.append(entry)
+    devices.sort(key=lambda e: _natural(e.key))
+    truncated = bool(annotations.get(f"{prefix}/{TRUNCATED_KEY}"))
+    total, gpus = _count(annotations.get(f"{prefix}/{COUNT_KEY}"))
+    seen_gpus = len({e.gpu for e in devices})
+    if total is None or gpus is None:
+        total, gpus = (None, None) if truncated else (len(devices), seen_gpus)
+    else:
+        total, gpus = max(total, len(devices)), max(gpus, seen_gpus)
+    state_key = f"{prefix}/{STATE_KEY}"
+    return NodeAnnotations(schema=annotations.get(f"{prefix}/{SCHEMA_KEY}", ""),
+                           state=annotations.get(state_key, ""), annotated=state_key in annotations,
+                           summary=annotations.get(f"{prefix}/{SUMMARY_KEY}", ""), truncated=truncated,
+                           devices=tuple(devices), device_count=total, gpu_count=gpus)
 
 
 def parse_node(node_name: str, annotations: Mapping[str, str], prefix: str = DEFAULT_PREFIX) -> list[DeviceEntry]:
-    """Device entries from a node's annotations. Values that are not our JSON are skipped, not fatal: an operator
-    may have edited one by hand, and the next resync repairs it."""
-    out: list[DeviceEntry] = []
-    for k, v in annotations.items():
-        if not is_our_key(k, prefix) or k[len(prefix) + 1:] in FIXED_KEYS:
-            continue
-        try:
-            doc = json.loads(v)
-        except ValueError:
-            continue
-        if not isinstance(doc, dict) or not isinstance(doc.get("state"), str):
-            continue
-        reasons = tuple({str(a): str(b) for a, b in r.items()} for r in doc.get("reasons", [])
-                        if isinstance(r, dict))
-        out.append(DeviceEntry(node=node_name, key=k[len(prefix) + 1:], id=str(doc.get("id", "")),
-                               state=doc["state"], action=str(doc.get("action", "")),
-                               since=str(doc.get("since", "")), last_transition=str(doc.get("lastTransition", "")),
-                               reasons=reasons, profile=str(doc.get("profile", ""))))
-    return sorted(out, key=lambda e: _natural(e.key))
+    """The device entries that carry a state, for a reader listing devices (``kubectl gpu-health``, tests)."""
+    return [e for e in decode(annotations, prefix, node_name).devices if e.state]
+
+
+def _our_name(key: str, prefix: str) -> str | None:
+    return key[len(prefix) + 1:] if is_our_key(key, prefix) else None
+
+
+def _text(doc: Mapping[str, object], field: str) -> str:
+    v = doc.get(field)
+    return "" if v is None else str(v)
+
+
+def _device_entry(node: str, name: str, raw: str) -> DeviceEntry | None:
+    try:
+        doc = json.loads(raw)
+    except (ValueError, TypeError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    state = doc.get("state")
+    listed = doc.get("reasons")
+    reasons = tuple({str(a): str(b) for a, b in r.items()} for r in (listed if isinstance(listed, list) else [])
+                    if isinstance(r, dict))
+    return DeviceEntry(node=node, key=name, id=_text(doc, "id"), state=state if isinstance(state, str) else "",
+                       action=_text(doc, "action"), since=_text(doc, "since"),
+                       last_transition=_text(doc, "lastTransition"), reasons=reasons,
+                       profile=_text(doc, "profile"), parent=_text(doc, "parent"), from_state=_text(doc, "from"))
+
+
+def _count(raw: str | None) -> tuple[int | None, int | None]:
+    """The two counts of the count key; (None, None) when it is absent or not what we write."""
+    try:
+        doc = json.loads(raw) if raw else None
+    except ValueError:
+        return None, None
+    if not isinstance(doc, dict):
+        return None, None
+    total, gpus = doc.get("total"), doc.get("gpus")
+    if _is_count(total) and _is_count(gpus):
+        return total, gpus
+    return None, None
+
+
+def _is_count(n: object) -> TypeGuard[int]:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
 
 
 def _natural(key: str) -> tuple[tuple[int, int, str], ...]:
