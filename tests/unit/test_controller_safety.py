@@ -1,4 +1,4 @@
-"""Issue 24's scenarios for the fleet controller, each the reproduction of a defect: the breaker's limit holds
+"""The fleet controller's safety scenarios, each the reproduction of a defect: the breaker's limit holds
 whatever a quarantined node looks like now, release takes back what was recorded, the agent cannot forge the
 controller's record, the reset flag acts once, back-off is per node, and every write is made while leading. The
 invariants themselves are in test_controller_invariants.py.

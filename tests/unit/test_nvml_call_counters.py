@@ -1,5 +1,4 @@
-"""Issue 12 regression checks that the issue's own tests could not fail on: each one fails when the fix it guards
-is taken out."""
+"""The NVML backend's call-error counters under racing threads: no update lost, however the threads interleave."""
 
 from __future__ import annotations
 
