@@ -1,4 +1,4 @@
-"""The safety promises of the automated parts on the real local cluster: what the automated parts may never do, shown end to end
+"""The safety promises of the automated parts on the real local cluster: what they may never do, shown end to end
 with the real API server's admission, the real kubelet and the plugin's own bound service-account token.
 
 Runs after test_stories_dra.py on the same cluster (pytest takes the files in name order), which left no plugin
