@@ -35,7 +35,7 @@ from plugin.controller.nodes import (
     facts_of,
 )
 from plugin.controller.policy import Assessment, Rules, assess
-from plugin.kube.client import ApiFailure
+from plugin.kube.errors import ApiFailure
 from plugin.kube.events import Involved, event_body, rfc3339
 
 log = logging.getLogger(__name__)
@@ -426,7 +426,7 @@ class Reconciler:
         if exc.status == 409:
             self.stats.conflicts += 1
             try:
-                node = self.api.get_node(name)
+                node = self.api.get_node_doc(name)
             except ApiFailure as again:
                 self.stats.count(self.stats.api_failures, "get")
                 if again.status == 404:
@@ -474,7 +474,7 @@ class Reconciler:
                              (e.read_at is None or now - e.read_at >= OUT_OF_SIGHT_RECHECK_S))
         if stale:
             try:
-                node = self.api.get_node(name)
+                node = self.api.get_node_doc(name)
             except ApiFailure as exc:
                 self.stats.count(self.stats.api_failures, "get")
                 if lost:

@@ -45,7 +45,8 @@ from plugin.dra.slices import (
     update_body,
 )
 from plugin.health.node_state import DeviceStatus, NodeState
-from plugin.kube.client import ApiFailure, SliceApi
+from plugin.kube.errors import ApiFailure
+from plugin.kube.protocols import SliceApi
 from plugin.outlets.kube import WriteScheduler
 from plugin.outlets.worker import Closeable, OutletThread
 

@@ -30,8 +30,10 @@ from typing import Any, Literal
 
 from plugin.backoff import Backoff
 from plugin.health.node_state import NodeState, Snapshot, Transition
-from plugin.kube.client import ApiFailure, KubeApi, NodeView
+from plugin.kube.errors import ApiFailure
 from plugin.kube.names import DEFAULT_PREFIX
+from plugin.kube.protocols import KubeApi
+from plugin.kube.views import NodeView
 from plugin.outlets.annotations import (
     DEFAULT_MAX_BYTES,
     desired_annotations,

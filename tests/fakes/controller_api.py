@@ -13,9 +13,9 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from plugin.controller.api import NodePage
 from plugin.controller.config import parse_selector, selector_matches
-from plugin.kube.client import ApiFailure
+from plugin.kube.errors import ApiFailure
+from plugin.kube.views import NodePage
 
 P = "gpu-health.io"
 T0 = 1_767_225_600.0  # 2026-01-01T00:00:00Z
@@ -232,7 +232,7 @@ class FakeControllerApi:
                 continue
             yield copy.deepcopy(item)
 
-    def get_node(self, name: str) -> dict[str, Any]:
+    def get_node_doc(self, name: str) -> dict[str, Any]:
         self._enter("get node", name)
         with self._lock:
             if name not in self.nodes:
