@@ -47,7 +47,7 @@ from plugin.dra.slices import (
 from plugin.health.node_state import DeviceStatus, NodeState
 from plugin.kube.errors import ApiFailure
 from plugin.kube.protocols import SliceApi
-from plugin.outlets.kube import WriteScheduler
+from plugin.kube.ratelimit import WriteScheduler
 from plugin.outlets.worker import Closeable, OutletThread
 
 log = logging.getLogger(__name__)

@@ -44,3 +44,9 @@ class ClaimApi(Protocol):
 
     def get_resource_claim(self, namespace: str, name: str) -> dict[str, Any]: ...
     def close(self) -> None: ...
+
+
+class Closeable(Protocol):
+    """A client a writer closes when it stops."""
+
+    def close(self) -> None: ...

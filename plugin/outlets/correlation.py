@@ -36,8 +36,8 @@ from plugin.health.node_state import DeviceStatus, NodeState, Snapshot, Transiti
 from plugin.kube.errors import ApiFailure
 from plugin.kube.events import Involved, event_body
 from plugin.kube.names import DEFAULT_PREFIX
-from plugin.kube.protocols import PodApi
-from plugin.outlets.worker import Closeable, OutletThread
+from plugin.kube.protocols import Closeable, PodApi
+from plugin.outlets.worker import OutletThread
 
 log = logging.getLogger(__name__)
 
