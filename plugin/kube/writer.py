@@ -95,11 +95,14 @@ class PacedWriter(Generic[S, A]):
 
     def _failed(self, what: str, f: ApiFailure, delay: float, kind: str) -> None:
         """Count a failed request under ``kind`` and say so, with ``delay``, the back-off before the next try."""
+        self._count_failure(what, f, kind)
+        self._log.warning("%s: %s failed (%s); retrying in %.1fs", self._label, what, f, delay)
+        self._logged_error = str(f)
+
+    def _count_failure(self, what: str, f: ApiFailure, kind: str) -> None:
         s = self.status()
         by_kind = {**s.failures_by_kind, kind: s.failures_by_kind.get(kind, 0) + 1}
         self._update(ok=False, last_error=f"{what}: {f}", last_error_at=self._wall(), failures_by_kind=by_kind)
-        self._log.warning("%s: %s failed (%s); retrying in %.1fs", self._label, what, f, delay)
-        self._logged_error = str(f)
 
     def _recovered(self) -> None:
         if self._logged_error is not None:
