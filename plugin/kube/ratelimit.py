@@ -10,35 +10,30 @@ from plugin.backoff import Backoff
 
 
 class TokenBucket:
-    """``capacity`` tokens, one more every ``interval_s``. Capacity 1 means "at most one per interval"."""
+    """``capacity`` tokens, one more every ``interval_s``. Capacity 1 means "at most one per interval".
+
+    Kept as the time the bucket is next full (``_full_at``), not as a count of tokens: a time compares exactly with
+    the deadlines the callers compute from it, where a fraction of a token refilled over a wall-clock time (about
+    1.7e9 s) is off by more than a rounding margin, and a caller waiting for the next token would wake just before
+    it, again and again."""
 
     def __init__(self, interval_s: float, capacity: float = 1.0, now: float = 0.0) -> None:
         self.interval = interval_s
         self.capacity = capacity
-        self._tokens = capacity
-        self._at = now
-
-    def _refill(self, now: float) -> None:
-        if now > self._at:
-            self._tokens = min(self.capacity, self._tokens + (now - self._at) / self.interval)
-            self._at = now
+        self._full_at = now
 
     def available_at(self, now: float) -> float:
-        self._refill(now)
-        if self._tokens >= 1.0:
-            return now
-        return now + (1.0 - self._tokens) * self.interval
+        return max(now, self._full_at - (self.capacity - 1.0) * self.interval)
 
     def take(self, now: float) -> bool:
-        self._refill(now)
-        if self._tokens >= 1.0 - 1e-9:
-            self._tokens = max(0.0, self._tokens - 1.0)
-            return True
-        return False
+        if self.available_at(now) > now + 1e-9 * self.interval:
+            return False
+        self._full_at = max(self._full_at, now) + self.interval
+        return True
 
     def refund(self) -> None:
         """Give back a token whose write failed: the back-off, not the bucket, paces retries."""
-        self._tokens = min(self.capacity, self._tokens + 1.0)
+        self._full_at -= self.interval  # a bucket full before now holds no more than its capacity (see take)
 
 
 class WriteScheduler:
