@@ -134,7 +134,8 @@ def controller_lightkube_watch(kubeconfig: Path, expect: int) -> None:
 
 def controller_stdlib(kubeconfig: Path, expect: int) -> None:
     sys.path.insert(0, str(REPO))
-    from plugin.kube.client import MERGE_PATCH, ApiFailure, KubeClient
+    from plugin.kube.client import MERGE_PATCH, KubeClient
+    from plugin.kube.errors import ApiFailure
 
     client = KubeClient(kubeconfig, component="bench-stdlib")
     cache: dict[str, tuple[str | None, list[dict[str, Any]]]] = {}

@@ -48,8 +48,8 @@ sys.path.insert(0, str(REPO))
 
 from bench._common import compiled_env, cpu_seconds, machine, pct, rss_mib  # noqa: E402
 from bench._fleet import NAMESPACE, Fleet  # noqa: E402
-from plugin.controller.api import LIST_PAGE, KubeControllerApi  # noqa: E402
-from plugin.kube.client import ApiFailure, KubeClient  # noqa: E402
+from plugin.kube.client import LIST_PAGE, KubeClient  # noqa: E402
+from plugin.kube.errors import ApiFailure  # noqa: E402
 
 TAINT = "gpu-health.io/quarantine"
 LEASE = "gpu-health-controller"
@@ -126,8 +126,7 @@ def probe_main(mode: str, kubeconfig: Path) -> None:
 
     out: dict[str, Any] = {"mode": mode}
     if mode != "imports":
-        api = KubeControllerApi(KubeClient(kubeconfig, component=CONTROLLER),
-                                page_size=LIST_PAGE if mode == "whole" else int(mode))
+        api = KubeClient(kubeconfig, component=CONTROLLER, list_page_size=LIST_PAGE if mode == "whole" else int(mode))
         rec = Reconciler(api, Settings(keys=Keys("gpu-health.io"), rules=Rules()), _Standby())
         t0 = time.monotonic()
         if mode == "whole":  # what the controller did before issue 24: every page kept until the last

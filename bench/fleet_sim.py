@@ -3,7 +3,7 @@
 
 5,000 nodes x 8 GPUs over one virtual day, at 19 remediations per 1,000 nodes per day, plus one correlated event: a
 driver rollout that hits 10% of the nodes within one minute. Each node runs the reporter's real scheduling code
-(``plugin.outlets.kube.WriteScheduler``: debounce, per-node token bucket) on a virtual clock; a node writes when its
+(``plugin.kube.ratelimit.WriteScheduler``: debounce, per-node token bucket) on a virtual clock; a node writes when its
 scheduler lets it and its desired annotations differ from what it last wrote. Compared with one write per
 transition (no coalescing).
 
@@ -43,7 +43,7 @@ from plugin.devices.simulated import SimulatedBackend
 from plugin.health.config import HealthConfig
 from plugin.health.monitor import Monitor
 from plugin.health.node_state import NodeState
-from plugin.outlets.kube import WriteScheduler
+from plugin.kube.ratelimit import WriteScheduler
 from plugin.schema.annotations import desired_annotations, last_transitions
 
 DAY = 86_400.0

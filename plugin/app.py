@@ -116,7 +116,8 @@ def make_correlator(cfg: Config, state: NodeState, resources: Sequence[Resource]
 
 def make_dra(cfg: Config, state: NodeState, alloc: AllocationConfig, clock: Callable[[], float]) -> DraMode:
     from plugin.dra.mode import DraMode, DraSettings
-    from plugin.kube.client import ApiFailure, KubeClient
+    from plugin.kube.client import KubeClient
+    from plugin.kube.errors import ApiFailure
     settings = DraSettings(
         node_name=cfg.node_name, plugin_dir=cfg.dra_plugin_dir, registry_dir=cfg.dra_registry_dir,
         cdi_dir=cfg.cdi_spec_dir, state_dir=cfg.state_dir, dev_dir=alloc.dev_dir,

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from plugin.controller.api import LeaseApi
-from plugin.kube.client import ApiFailure
+from plugin.kube.errors import ApiFailure
 
 log = logging.getLogger(__name__)
 

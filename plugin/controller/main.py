@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from types import FrameType
 
 from plugin import logs
-from plugin.controller.api import KubeControllerApi
 from plugin.controller.config import ControllerConfig, parse_or_exit
 from plugin.controller.leader import LeaderElector
 from plugin.controller.metrics import ControllerCollector, ControllerProbes
@@ -20,7 +19,8 @@ from plugin.controller.nodes import CONTROLLER, Keys
 from plugin.controller.policy import Rules
 from plugin.controller.reconciler import Reconciler, Settings
 from plugin.controller.watcher import NodeWatcher
-from plugin.kube.client import ApiFailure, KubeClient
+from plugin.kube.client import KubeClient
+from plugin.kube.errors import ApiFailure
 
 log = logging.getLogger("plugin.controller")
 
@@ -43,8 +43,8 @@ class Controller:
     def __init__(self, cfg: ControllerConfig) -> None:
         self.cfg = cfg
         # Three connections: the watch holds its own; the Lease renewals must never queue behind a slow write.
-        def client() -> KubeControllerApi:
-            return KubeControllerApi(KubeClient(cfg.kubeconfig, component=CONTROLLER))
+        def client() -> KubeClient:
+            return KubeClient(cfg.kubeconfig, component=CONTROLLER)
 
         self.work_api = client()
         self.lease_api = client()

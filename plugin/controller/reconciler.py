@@ -35,8 +35,9 @@ from plugin.controller.nodes import (
     facts_of,
 )
 from plugin.controller.policy import Assessment, Rules, assess
-from plugin.kube.client import ApiFailure
+from plugin.kube.errors import ApiFailure
 from plugin.kube.events import Involved, event_body, rfc3339
+from plugin.kube.ratelimit import TokenBucket
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +167,8 @@ class Reconciler:
         self._lost: set[str] = set()  # out-of-sight Nodes the Lease names that this process has not read yet
         self._lists = 0  # LISTs fed in (start, resync, after 410): a refused write is tried again after one
         self._listed: set[str] = set()  # the Nodes the LIST under way has named so far
-        self._eviction_at = 0.0  # when the drain rate allows the next eviction (over all nodes)
+        # The drain rate, over all nodes: one eviction per interval, none saved up beyond one.
+        self._evictions = TokenBucket(60.0 / settings.drain_per_minute)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -426,7 +428,7 @@ class Reconciler:
         if exc.status == 409:
             self.stats.conflicts += 1
             try:
-                node = self.api.get_node(name)
+                node = self.api.get_node_doc(name)
             except ApiFailure as again:
                 self.stats.count(self.stats.api_failures, "get")
                 if again.status == 404:
@@ -474,7 +476,7 @@ class Reconciler:
                              (e.read_at is None or now - e.read_at >= OUT_OF_SIGHT_RECHECK_S))
         if stale:
             try:
-                node = self.api.get_node(name)
+                node = self.api.get_node_doc(name)
             except ApiFailure as exc:
                 self.stats.count(self.stats.api_failures, "get")
                 if lost:
@@ -636,9 +638,10 @@ class Reconciler:
         wait = DRAIN_RECHECK_S
         for pod in left:
             key = _pod_key(pod)
-            if not self._take_token(now):
+            if not self._evictions.take(now):
                 if key not in e.refused:
-                    wait = self._token_wait(now)  # the rate is what holds it back: look again with the next token
+                    # The rate is what holds it back: look again with the next token.
+                    wait = self._evictions.available_at(now) - now
                 break
             meta = pod.get("metadata") or {}
             self._must_lead()
@@ -653,15 +656,6 @@ class Reconciler:
                 elif exc.status != 404:
                     self.stats.count(self.stats.api_failures, "evict")
         self._at(now + wait, f.name)
-
-    def _take_token(self, now: float) -> bool:
-        if now < self._eviction_at:
-            return False
-        self._eviction_at = now + 60.0 / self.s.drain_per_minute
-        return True
-
-    def _token_wait(self, now: float) -> float:
-        return max(0.0, self._eviction_at - now)
 
     # The breaker ------------------------------------------------------------------------------------------------
 

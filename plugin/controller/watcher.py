@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from plugin.backoff import Backoff
 from plugin.controller.api import ControllerApi
-from plugin.kube.client import ApiFailure
+from plugin.kube.errors import ApiFailure
 
 log = logging.getLogger(__name__)
 

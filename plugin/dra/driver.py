@@ -33,7 +33,8 @@ from plugin.dra import cdi
 from plugin.dra.checkpoint import Checkpoint, CheckpointError, CheckpointUnreadable, PreparedClaim, PreparedDevice
 from plugin.dra.slices import DRIVER, SliceSettings, allocatable, device_names, device_plan
 from plugin.health.node_state import DeviceStatus, NodeState
-from plugin.kube.client import ApiFailure, ClaimApi
+from plugin.kube.errors import ApiFailure
+from plugin.kube.protocols import ClaimApi
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from plugin.dra.server import DraServer
 from plugin.dra.slices import DRIVER, SliceSettings
 from plugin.dra.slicewriter import SliceWriter
 from plugin.health.node_state import NodeState
-from plugin.kube.client import ClaimApi, SliceApi
+from plugin.kube.protocols import ClaimApi, SliceApi
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """The writer that keeps the node's DRA ResourceSlice on the API server (DRA driver mode).
 
-A thin writer around the pure parts in ``resourceslices.py``, paced as the node reporter (``kube.py``) is:
+A thin writer around the pure parts in ``slices.py``, on the paced-writer base it shares with the node reporter
+(plugin/kube/writer.py, plugin/outlets/kube.py):
 
 - only on change: it keeps the server's copy from its last read or write and asks ``slice_changed`` whether what it
   wants differs; an unchanged node costs no request at all but one GET every ``resync_s``;
@@ -28,7 +29,7 @@ import math
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -45,26 +46,22 @@ from plugin.dra.slices import (
     update_body,
 )
 from plugin.health.node_state import DeviceStatus, NodeState
-from plugin.kube.client import ApiFailure, SliceApi
-from plugin.outlets.kube import WriteScheduler
-from plugin.outlets.worker import Closeable, OutletThread
+from plugin.kube.errors import ApiFailure
+from plugin.kube.protocols import SliceApi
+from plugin.kube.ratelimit import WriteScheduler
+from plugin.kube.writer import PacedWriter, WriterStatus
+from plugin.outlets.worker import OutletThread
 
 log = logging.getLogger(__name__)
 
-MAX_CONFLICT_RETRIES = 3
 LABEL = "resource slice"
 
 
-@dataclass(frozen=True)
-class SliceWriterStatus:
-    """For metrics and the health stream."""
+@dataclass(frozen=True, kw_only=True)
+class SliceWriterStatus(WriterStatus):
+    """For metrics and the health stream. ``writes`` are creates, updates and deletes of the slice, ``reads`` its
+    GETs."""
 
-    ok: bool = True  # false while the last attempt failed
-    writes: int = 0  # successful creates, updates and deletes of the slice
-    failures: int = 0  # failed requests of any kind (and failed attempts to build the client)
-    conflicts: int = 0  # 409s answered by a re-read
-    reads: int = 0  # successful GETs of the slice
-    last_error: str | None = None
     taints_published: bool = True  # false once the API server was seen dropping our device taints
 
 
@@ -76,19 +73,21 @@ class _NotServed(Exception):
         self.failure = failure
 
 
-class SliceWriter(OutletThread):
+class SliceWriter(PacedWriter[SliceWriterStatus, SliceApi], OutletThread):
+    RECOVERED = "API server answering again"
+
     def __init__(self, state: NodeState, settings: SliceSettings, client_factory: Callable[[], SliceApi],
                  debounce_s: float = 1.0, min_interval_s: float = 10.0, resync_s: float = 600.0,
                  backoff_max_s: float = 300.0, clock: Callable[[], float] = time.monotonic, *,
                  backoff_initial_s: float = 1.0, rng: random.Random | None = None) -> None:
-        super().__init__(state, clock, version=0, thread_name="slice-writer", label=LABEL, log=log)
+        OutletThread.__init__(self, state, clock, version=0, thread_name="slice-writer", label=LABEL, log=log)
         self.settings = settings
         self.name = slice_name(settings)
-        self._factory = client_factory
-        self._api: SliceApi | None = None
         self._resync_s = resync_s
         self._backoff = Backoff(backoff_initial_s, backoff_max_s, rng=rng or random.Random())
-        self._sched = WriteScheduler(debounce_s, min_interval_s, self._backoff, clock())
+        PacedWriter.__init__(self, SliceWriterStatus(taints_published=settings.taints),
+                             WriteScheduler(debounce_s, min_interval_s, self._backoff, clock()), client_factory,
+                             time.time, label=LABEL, log=log)
         self._gpus: list[Gpu] = []
         self._statuses: dict[str, DeviceStatus] = {}
         self._current: dict[str, Any] | None = None  # the server's copy, from our last read or write
@@ -98,48 +97,17 @@ class SliceWriter(OutletThread):
         self._not_served_logged = False
         self._retired = False  # delete_slice ran: never write the slice again
         self._resync = threading.Event()  # resync_now asked, from another thread
-        self._logged_error: str | None = None
-        self._status = SliceWriterStatus(taints_published=settings.taints)
-        self._status_lock = threading.Lock()
-
-    # Status ---------------------------------------------------------------------------------------------------
-
-    def status(self) -> SliceWriterStatus:
-        with self._status_lock:
-            return self._status
-
-    def _update(self, **changes: Any) -> None:
-        with self._status_lock:
-            self._status = replace(self._status, **changes)
-
-    def _failed(self, what: str, f: ApiFailure, now: float) -> float:
-        delay = self._sched.failed(now, f.retry_after)
-        self._update(ok=False, last_error=f"{what}: {f}", failures=self.status().failures + 1)
-        # One line per back-off: the back-off paces the attempts, so this cannot flood the log.
-        log.warning("%s: %s failed (%s); retrying in %.1fs", LABEL, what, f, delay)
-        self._logged_error = str(f)
-        return delay
 
     def _not_served(self, f: ApiFailure, now: float) -> None:
         # Not a passing fault: DRA is off on the cluster (or it is older than 1.34). Asking at the cap still picks
         # it up without a restart once someone turns it on, and one line says it all, not one per attempt.
         delay = self._sched.failed(now, self._backoff.maximum)
-        self._update(ok=False, last_error=f"resource.k8s.io/v1 not served: {f}",
-                     failures=self.status().failures + 1)
+        self._count_failure("resource.k8s.io/v1 not served", f, "not served")
         if not self._not_served_logged:
             log.error("%s: the API server does not serve resource.k8s.io/v1 ResourceSlices (%s): DRA is off on "
                       "this cluster or it is older than 1.34; the node's GPUs are not published to DRA; asking "
                       "again every %.0fs", LABEL, f, delay)
             self._not_served_logged = True
-
-    def _recovered(self) -> None:
-        if self._logged_error is not None:
-            log.info("%s: API server answering again (last error: %s)", LABEL, self._logged_error)
-            self._logged_error = None
-        self._update(ok=True)
-
-    def _clients(self) -> Iterable[Closeable | None]:
-        return (self._api,)
 
     # One step -------------------------------------------------------------------------------------------------
 
@@ -157,14 +125,9 @@ class SliceWriter(OutletThread):
             self._gpus = [d.gpu for d in snap.devices if d.mig is None]
             self._statuses = gpu_statuses(snap.devices)
             self._version = snap.version
-        if self._api is None:
-            if self._sched.blocked(now):
-                return self._sched.blocked_until
-            try:
-                self._api = self._factory()
-            except ApiFailure as f:
-                self._failed("building the API client", f, now)
-                return self._sched.blocked_until
+        retry_at = self._connect(now)
+        if retry_at is not None:
+            return retry_at
         if (self._need_read or now >= self._next_resync) and not self._sched.blocked(now):
             self._read(now)
         self._check_pending(now)
@@ -174,8 +137,6 @@ class SliceWriter(OutletThread):
         if self._need_read:
             deadlines.append(max(now, self._sched.blocked_until))
         return min(deadlines)
-
-    step = tick  # what the thread calls
 
     def resync_now(self) -> None:
         """Read the slice again at once (from any thread): the kubelet deletes a driver's slices some time after
@@ -210,7 +171,8 @@ class SliceWriter(OutletThread):
         except ApiFailure as f:
             if f.status == 404:  # only get_node raises on 404: a missing slice is None
                 f = ApiFailure(404, f"node {self.settings.node_name} does not exist (check --node-name)")
-            self._failed(f"reading ResourceSlice {self.name} and its Node", f, now)
+            self._failed(f"reading ResourceSlice {self.name} and its Node", f, self._sched.failed(now, f.retry_after),
+                         "read")
             return False
         self._current = current
         self._need_read = False
@@ -223,35 +185,31 @@ class SliceWriter(OutletThread):
     def _write(self, now: float) -> None:
         assert self._api is not None
         writes = 0
+
+        def write() -> bool:
+            nonlocal writes
+            desired = self._desired()
+            body = update_body(self._current, desired)
+            if body is None:
+                return True
+            stored = self._send(body, desired)
+            writes += 1
+            self._current = stored
+            if taints_dropped(body, stored):
+                self._taints_off()  # the slice without the tainted devices is due in this same step
+            return False
+
         try:
-            for attempt in range(MAX_CONFLICT_RETRIES + 1):
-                desired = self._desired()
-                body = update_body(self._current, desired)
-                if body is None:
-                    break
-                try:
-                    stored = self._send(body, desired)
-                except ApiFailure as f:
-                    if f.status not in (404, 409) or attempt == MAX_CONFLICT_RETRIES:
-                        raise
-                    # 409: someone changed (or created) the slice since our read; 404 on a PUT: someone deleted
-                    # it. Our write was refused whole: re-read and recompute from what the server has.
-                    if f.status == 409:
-                        self._update(conflicts=self.status().conflicts + 1)
-                    if not self._read(now):
-                        return
-                    continue
-                writes += 1
-                self._current = stored
-                if taints_dropped(body, stored):
-                    self._taints_off()
+            # 409: someone changed (or created) the slice since our read; 404 on a PUT: someone deleted it.
+            if not self._until_settled(write, lambda: self._read(now), frozenset({404, 409})):
+                return
         except _NotServed as exc:
             self._need_read = True
             self._not_served(exc.failure, now)
             return
         except ApiFailure as f:
             self._need_read = True  # converge from what the server really has once it answers again
-            self._failed(f"writing ResourceSlice {self.name}", f, now)
+            self._failed(f"writing ResourceSlice {self.name}", f, self._sched.failed(now, f.retry_after), "write")
             return
         finally:
             if writes:
@@ -298,7 +256,7 @@ class SliceWriter(OutletThread):
         """Delete the node's slice (already gone is fine), for an explicit uninstall; the writer never writes it
         again. Call it after :meth:`stop`; a failure raises :class:`ApiFailure`."""
         self._retired = True
-        api = self._factory()
+        api = self._api_factory()
         try:
             api.delete_resource_slice(self.name)
         finally:

@@ -33,10 +33,11 @@ from api.podresources.v1 import api_pb2 as pr_pb2
 from api.podresources.v1 import api_pb2_grpc as pr_grpc
 from plugin.backoff import Backoff
 from plugin.health.node_state import DeviceStatus, NodeState, Snapshot, Transition
-from plugin.kube.client import ApiFailure, PodApi
+from plugin.kube.errors import ApiFailure
 from plugin.kube.events import Involved, event_body
 from plugin.kube.names import DEFAULT_PREFIX
-from plugin.outlets.worker import Closeable, OutletThread
+from plugin.kube.protocols import Closeable, PodApi
+from plugin.outlets.worker import OutletThread
 
 log = logging.getLogger(__name__)
 

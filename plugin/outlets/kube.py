@@ -1,7 +1,8 @@
 """The cluster reporter: writes node annotations, the node condition and Events through the Kubernetes API.
 
-A thin writer around pure parts (``annotations.py``, ``condition.py``, ``events.py``). It runs in its own thread,
-reads the node state (never holding its lock during I/O) and keeps the API server calm:
+A thin writer around pure parts (``annotations.py``, ``condition.py``, ``events.py``), on the paced-writer base
+(plugin/kube/writer.py) and the write scheduler (plugin/kube/ratelimit.py) it shares with the ResourceSlice writer. It
+runs in its own thread, reads the node state (never holding its lock during I/O) and keeps the API server calm:
 
 - only on change: it compares what it wants with what the server has, and writes nothing when they agree;
 - a burst is coalesced: a write happens ``debounce_s`` after the first unwritten change, with the state of that
@@ -22,19 +23,22 @@ from __future__ import annotations
 import logging
 import math
 import random
-import threading
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
-from typing import Any, Literal
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
 
 from plugin.backoff import Backoff
 from plugin.health.node_state import NodeState, Snapshot, Transition
-from plugin.kube.client import ApiFailure, KubeApi, NodeView
+from plugin.kube.errors import ApiFailure
 from plugin.kube.names import DEFAULT_PREFIX
+from plugin.kube.protocols import KubeApi
+from plugin.kube.ratelimit import WriteScheduler
+from plugin.kube.views import NodeView
+from plugin.kube.writer import PacedWriter, WriterStatus
 from plugin.outlets.condition import DesiredCondition, desired_condition, find_condition
 from plugin.outlets.events import Entry, EventAggregator
-from plugin.outlets.worker import Closeable, OutletThread
+from plugin.outlets.worker import OutletThread
 from plugin.schema.annotations import (
     DEFAULT_MAX_BYTES,
     desired_annotations,
@@ -45,82 +49,9 @@ from plugin.schema.annotations import (
 
 log = logging.getLogger(__name__)
 
-MAX_CONFLICT_RETRIES = 3
-
-
-# Timing primitives: pure, time passed in. bench/fleet_sim.py drives these same classes. -------------------------
-
-class TokenBucket:
-    """``capacity`` tokens, one more every ``interval_s``. Capacity 1 means "at most one per interval"."""
-
-    def __init__(self, interval_s: float, capacity: float = 1.0, now: float = 0.0) -> None:
-        self.interval = interval_s
-        self.capacity = capacity
-        self._tokens = capacity
-        self._at = now
-
-    def _refill(self, now: float) -> None:
-        if now > self._at:
-            self._tokens = min(self.capacity, self._tokens + (now - self._at) / self.interval)
-            self._at = now
-
-    def available_at(self, now: float) -> float:
-        self._refill(now)
-        if self._tokens >= 1.0:
-            return now
-        return now + (1.0 - self._tokens) * self.interval
-
-    def take(self, now: float) -> bool:
-        self._refill(now)
-        if self._tokens >= 1.0 - 1e-9:
-            self._tokens = max(0.0, self._tokens - 1.0)
-            return True
-        return False
-
-    def refund(self) -> None:
-        """Give back a token whose write failed: the back-off, not the bucket, paces retries."""
-        self._tokens = min(self.capacity, self._tokens + 1.0)
-
-
-class WriteScheduler:
-    """When to write: debounce after the first unwritten change, a token bucket, and a back-off gate."""
-
-    def __init__(self, debounce_s: float, min_interval_s: float, backoff: Backoff, now: float = 0.0) -> None:
-        self.debounce = debounce_s
-        self.bucket = TokenBucket(min_interval_s, 1.0, now)
-        self.backoff = backoff
-        self.pending_since: float | None = None
-        self.blocked_until = -math.inf
-
-    def changed(self, now: float) -> None:
-        """Something we want differs from what the server has (idempotent while it stays so)."""
-        if self.pending_since is None:
-            self.pending_since = now
-
-    def settled(self) -> None:
-        """What we want is what the server has: nothing to write (e.g. a flap came back within the debounce)."""
-        self.pending_since = None
-
-    def due_at(self, now: float) -> float:
-        if self.pending_since is None:
-            return math.inf
-        return max(self.pending_since + self.debounce, self.bucket.available_at(now), self.blocked_until)
-
-    def try_start(self, now: float) -> bool:
-        return self.due_at(now) <= now and self.bucket.take(now)
-
-    def succeeded(self) -> None:
-        self.pending_since = None
-        self.backoff.reset()
-
-    def failed(self, now: float, retry_after: float | None = None) -> float:
-        self.bucket.refund()
-        delay = self.backoff.next_delay(retry_after)
-        self.blocked_until = now + delay
-        return delay
-
-    def blocked(self, now: float) -> bool:
-        return now < self.blocked_until
+LABEL = "cluster reporting"
+# What a failed request was, besides a failure of any kind: each has its own counter.
+FailureKind = Literal["write", "read", "event", "client"]
 
 
 # The reporter -------------------------------------------------------------------------------------------------
@@ -144,41 +75,50 @@ class ReporterSettings:
     event_window_s: float = 600.0
 
 
-@dataclass(frozen=True)
-class ReporterStatus:
-    """For metrics (issue 8) and the health stream. Times are wall-clock seconds."""
+@dataclass(frozen=True, kw_only=True)
+class ReporterStatus(WriterStatus):
+    """For metrics (issue 8) and the health stream. ``writes`` are annotation and condition patches of the Node;
+    ``failures`` are write_, read_, client_ and event_failures together."""
 
     node: str
-    ok: bool = True  # false while the last attempt failed
-    last_error: str | None = None
-    last_error_at: float | None = None
-    writes: int = 0  # successful writes to the Node (annotation patches + condition patches)
-    failures: int = 0  # failed requests of any kind: write_, read_, client_ and event_failures together
-    write_failures: int = 0  # failed writes to the Node (annotation or condition patches)
-    read_failures: int = 0  # failed reads of the Node
-    client_failures: int = 0  # failed attempts to build the API client (kubeconfig, service account)
-    conflicts: int = 0  # 409s answered by a re-read
-    reads: int = 0
     last_write_at: float | None = None
     pending: bool = False  # a change waits to be written
     truncated: int = 0  # device entries dropped by the size cap in the current desired state
     events_written: int = 0
-    event_failures: int = 0
+
+    @property
+    def write_failures(self) -> int:
+        """Failed writes to the Node (annotation or condition patches)."""
+        return self._failures_of("write")
+
+    @property
+    def read_failures(self) -> int:
+        """Failed reads of the Node."""
+        return self._failures_of("read")
+
+    @property
+    def client_failures(self) -> int:
+        """Failed attempts to build the API client (kubeconfig, service account)."""
+        return self._failures_of("client")
+
+    @property
+    def event_failures(self) -> int:
+        return self._failures_of("event")
+
+    def _failures_of(self, kind: FailureKind) -> int:
+        return self.failures_by_kind.get(kind, 0)
 
 
-class KubeReporter(OutletThread):
+class KubeReporter(PacedWriter[ReporterStatus, KubeApi], OutletThread):
     def __init__(self, state: NodeState, settings: ReporterSettings, api_factory: Callable[[], KubeApi],
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
                  rng: random.Random | None = None) -> None:
-        super().__init__(state, clock, version=0, thread_name="kube-reporter", label="cluster reporting", log=log)
+        OutletThread.__init__(self, state, clock, version=0, thread_name="kube-reporter", label=LABEL, log=log)
         self.settings = s = settings
-        self._api_factory = api_factory
-        self._api: KubeApi | None = None
-        self._wall = wall
         rng = rng or random.Random()
-        now = clock()
-        self._node = WriteScheduler(s.debounce_s, s.min_interval_s,
-                                    Backoff(s.backoff_initial_s, s.backoff_max_s, rng=rng), now)
+        sched = WriteScheduler(s.debounce_s, s.min_interval_s, Backoff(s.backoff_initial_s, s.backoff_max_s, rng=rng),
+                               clock())
+        PacedWriter.__init__(self, ReporterStatus(node=s.node_name), sched, api_factory, wall, label=LABEL, log=log)
         self._ev_backoff = Backoff(s.backoff_initial_s, s.backoff_max_s, rng=rng)
         self._ev_blocked_until = -math.inf
         self._events = EventAggregator(s.node_name, s.event_window_s, s.event_min_interval_s)
@@ -190,44 +130,11 @@ class KubeReporter(OutletThread):
         self._remote: NodeView | None = None
         self._need_read = True
         self._next_resync = math.inf
-        self._status = ReporterStatus(node=s.node_name)
-        self._status_lock = threading.Lock()
-        self._logged_error: str | None = None
-
-    # Status ---------------------------------------------------------------------------------------------------
-
-    def status(self) -> ReporterStatus:
-        with self._status_lock:
-            return self._status
 
     def outlet_errors(self) -> dict[str, str]:
         """For the health stream's ListResponse.outlet_errors: our last error while the last attempt failed."""
         s = self.status()
         return {"kube": s.last_error} if not s.ok and s.last_error else {}
-
-    def _update(self, **changes: Any) -> None:
-        with self._status_lock:
-            self._status = replace(self._status, **changes)
-
-    def _failed(self, what: str, f: ApiFailure, delay: float,
-                kind: Literal["write", "read", "event", "client"]) -> None:
-        """``kind`` names the counter this failure goes to, besides ``failures`` (all kinds)."""
-        s = self.status()
-        counter = f"{kind}_failures"
-        self._update(ok=False, last_error=f"{what}: {f}", last_error_at=self._wall(), failures=s.failures + 1,
-                     **{counter: getattr(s, counter) + 1})
-        # One line per back-off: the back-off paces the attempts, so this cannot flood the log.
-        log.warning("cluster reporting: %s failed (%s); retrying in %.1fs", what, f, delay)
-        self._logged_error = str(f)
-
-    def _recovered(self) -> None:
-        if self._logged_error is not None:
-            log.info("cluster reporting: API server reachable again (last error: %s)", self._logged_error)
-            self._logged_error = None
-        self._update(ok=True)
-
-    def _clients(self) -> Iterable[Closeable | None]:
-        return (self._api,)
 
     # One step -------------------------------------------------------------------------------------------------
 
@@ -238,32 +145,25 @@ class KubeReporter(OutletThread):
             return math.inf  # nothing published yet: writing now would wipe the node's device keys
         if snap.version != self._version:
             self._on_snapshot(snap, now)
-        if self._api is None:
-            if self._node.blocked(now):
-                return self._node.blocked_until
-            try:
-                self._api = self._api_factory()
-            except ApiFailure as f:
-                self._failed("building the API client", f, self._node.failed(now), "client")
-                return self._node.blocked_until
+        retry_at = self._connect(now)
+        if retry_at is not None:
+            return retry_at
         deadlines = [math.inf]
         s = self.settings
         if s.annotations or s.condition or s.events:
-            if (self._need_read or now >= self._next_resync) and not self._node.blocked(now):
+            if (self._need_read or now >= self._next_resync) and not self._sched.blocked(now):
                 self._read(now)
             self._check_pending(now)
-            if self._remote is not None and (s.annotations or s.condition) and self._node.try_start(now):
+            if self._remote is not None and (s.annotations or s.condition) and self._sched.try_start(now):
                 self._write(now)
-            self._update(pending=self._node.pending_since is not None)
-            deadlines += [self._node.due_at(now), self._next_resync]
+            self._update(pending=self._sched.pending_since is not None)
+            deadlines += [self._sched.due_at(now), self._next_resync]
             if self._need_read:
-                deadlines.append(max(now, self._node.blocked_until))
+                deadlines.append(max(now, self._sched.blocked_until))
         if s.events:
             self._flush_events(now)
             deadlines.append(max(self._events.next_due(), self._ev_blocked_until))
         return min(deadlines)
-
-    step = tick  # what the thread calls: the same step the tests and benchmarks drive by its first name
 
     def _on_snapshot(self, snap: Snapshot, now: float) -> None:
         first = self._seq is None
@@ -308,9 +208,9 @@ class KubeReporter(OutletThread):
         if self._remote is None:
             return
         if self._annotation_patch() or self._condition_needed():
-            self._node.changed(now)
+            self._sched.changed(now)
         else:
-            self._node.settled()
+            self._sched.settled()
 
     def _read(self, now: float) -> bool:
         assert self._api is not None
@@ -320,7 +220,7 @@ class KubeReporter(OutletThread):
             what = f"reading node {self.settings.node_name}"
             if f.status == 404:
                 f = ApiFailure(404, f"node {self.settings.node_name} does not exist (check --node-name)")
-            self._failed(what, f, self._node.failed(now, f.retry_after), "read")
+            self._failed(what, f, self._sched.failed(now, f.retry_after), "read")
             return False
         self._need_read = False
         self._next_resync = now + self.settings.resync_s
@@ -330,25 +230,21 @@ class KubeReporter(OutletThread):
 
     def _write(self, now: float) -> None:
         assert self._api is not None and self._remote is not None
+        api = self._api
         node = self.settings.node_name
         writes = 0
+
+        def patch_annotations() -> bool:
+            nonlocal writes
+            patch = self._annotation_patch()
+            if patch and self._remote is not None:
+                self._remote = api.patch_node_annotations(node, patch, self._remote.resource_version)
+                writes += 1
+            return True
+
         try:
-            for attempt in range(MAX_CONFLICT_RETRIES + 1):
-                patch = self._annotation_patch()
-                if not patch:
-                    break
-                try:
-                    self._remote = self._api.patch_node_annotations(node, patch, self._remote.resource_version)
-                    writes += 1
-                    break
-                except ApiFailure as f:
-                    if f.status != 409 or attempt == MAX_CONFLICT_RETRIES:
-                        raise
-                    # Someone changed the node since our read: re-read and recompute. Our patch was refused
-                    # whole, so nothing stale reached the server.
-                    self._update(conflicts=self.status().conflicts + 1)
-                    if not self._read(now):
-                        return
+            if not self._until_settled(patch_annotations, lambda: self._read(now)):
+                return
             if self._condition_needed() and self._desired_cond is not None:
                 current = find_condition(self._remote.conditions, self._desired_cond.type)
                 item = self._desired_cond.to_patch_item(current, self._wall())
@@ -356,11 +252,11 @@ class KubeReporter(OutletThread):
                 writes += 1
         except ApiFailure as f:
             self._need_read = True  # converge from what the server really has once it answers again
-            self._failed(f"writing node {node}", f, self._node.failed(now, f.retry_after), "write")
+            self._failed(f"writing node {node}", f, self._sched.failed(now, f.retry_after), "write")
             if writes:
                 self._update(writes=self.status().writes + writes, last_write_at=self._wall())
             return
-        self._node.succeeded()
+        self._sched.succeeded()
         self._recovered()
         if writes:
             self._update(writes=self.status().writes + writes, last_write_at=self._wall())

@@ -6,16 +6,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable
-from typing import Protocol
 
 from plugin.health.node_state import NodeState
+from plugin.kube.protocols import Closeable
 
 ERROR_RETRY_S = 5.0  # how long a worker waits after an unexpected error in a step
 MAX_WAIT_S = 3600.0  # a worker looks again at least this often, whatever its step said
-
-
-class Closeable(Protocol):
-    def close(self) -> None: ...
 
 
 class OutletThread:

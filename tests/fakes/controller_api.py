@@ -13,8 +13,8 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from plugin.controller.api import NodePage
-from plugin.kube.client import ApiFailure
+from plugin.kube.errors import ApiFailure
+from plugin.kube.views import NodePage
 from plugin.options.selectors import Requirement, parse_selector
 
 P = "gpu-health.io"
@@ -248,7 +248,7 @@ class FakeControllerApi:
                 continue
             yield copy.deepcopy(item)
 
-    def get_node(self, name: str) -> dict[str, Any]:
+    def get_node_doc(self, name: str) -> dict[str, Any]:
         self._enter("get node", name)
         with self._lock:
             if name not in self.nodes:

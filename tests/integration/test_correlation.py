@@ -23,7 +23,9 @@ from plugin.devtools.standin import KubeletStandin
 from plugin.health.config import HealthConfig
 from plugin.health.monitor import Monitor
 from plugin.health.node_state import NodeState
-from plugin.kube.client import ApiFailure, PodApi, PodView
+from plugin.kube.errors import ApiFailure
+from plugin.kube.protocols import PodApi
+from plugin.kube.views import PodView
 from plugin.kubelet.resources import WholeGpus
 from plugin.outlets.correlation import (
     CorrelationSettings,

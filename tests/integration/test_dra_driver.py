@@ -22,7 +22,7 @@ from plugin.dra import driver as dra
 from plugin.dra.checkpoint import Checkpoint
 from plugin.health.node_state import NodeState
 from plugin.health.reasons import State
-from plugin.kube.client import ApiFailure
+from plugin.kube.errors import ApiFailure
 from tests.fakes.node_devices import Node
 
 NODE = "gpu-node-1"

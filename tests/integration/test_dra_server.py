@@ -29,7 +29,7 @@ from plugin.dra.health import HealthSettings
 from plugin.dra.server import DraServer
 from plugin.health.node_state import NodeState
 from plugin.health.reasons import State
-from plugin.kube.client import ApiFailure
+from plugin.kube.errors import ApiFailure
 from tests.fakes.node_devices import Node
 
 NODE = "gpu-node-1"

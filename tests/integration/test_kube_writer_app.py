@@ -40,8 +40,8 @@ def reporting_env(short_socket_dir: Path, dev_root: Path, api: FakeApiServer) ->
                       report_debounce=0.05, report_min_interval=0.05)
     app = App(cfg)
     assert app.kube_reporter is not None
-    app.kube_reporter._node.backoff.initial = 0.05  # fast retries; the policy itself is tested in unit tests
-    app.kube_reporter._node.backoff.maximum = 0.2
+    app.kube_reporter._sched.backoff.initial = 0.05  # fast retries; the policy itself is tested in unit tests
+    app.kube_reporter._sched.backoff.maximum = 0.2
     app.start()
     e = Env(short_socket_dir, node, kubelet, app, cfg)
     assert e.wait_kubelet(lambda: kubelet.capacity() == (8, 8)), "plugin never registered"

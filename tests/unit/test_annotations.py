@@ -13,9 +13,9 @@ from plugin.backoff import Backoff
 from plugin.config import ConfigError, load
 from plugin.health.node_state import ABSENT, NodeState, Transition
 from plugin.health.reasons import Reason, State
+from plugin.kube.ratelimit import TokenBucket, WriteScheduler
 from plugin.outlets.condition import desired_condition
 from plugin.outlets.events import EventAggregator, event_for
-from plugin.outlets.kube import TokenBucket, WriteScheduler
 from plugin.schema import annotations as ann
 from plugin.validation import check_condition_type, check_prefix
 from tests.fakes.node_devices import MESSAGES, Node, gpu, reason, status

@@ -33,7 +33,7 @@ from plugin.controller.breaker import limit_for
 from plugin.controller.nodes import CONTROLLER, Keys, facts_of
 from plugin.controller.policy import Rules
 from plugin.controller.reconciler import OUT_OF_SIGHT_RECHECK_S, Reconciler, Settings
-from plugin.kube.client import ApiFailure
+from plugin.kube.errors import ApiFailure
 from tests.conftest import FakeClock
 from tests.fakes.controller_api import T0, FakeControllerApi, P, gpu_node
 from tests.unit.test_controller_reconciler import agent
@@ -128,9 +128,9 @@ class ReplicaApi:
             else:
                 r.lose_during -= 1
 
-    def get_node(self, name: str) -> dict[str, Any]:
+    def get_node_doc(self, name: str) -> dict[str, Any]:
         self._in_flight()
-        return self.api.get_node(name)
+        return self.api.get_node_doc(name)
 
     def list_pods_on(self, node: str) -> list[dict[str, Any]]:
         self._in_flight()

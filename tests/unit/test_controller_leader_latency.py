@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from plugin.controller.leader import LeaderElector
-from plugin.kube.client import ApiFailure
+from plugin.kube.errors import ApiFailure
 from tests.fakes.controller_api import FakeControllerApi
 
 NS = "gpu-health-system"

@@ -1,9 +1,10 @@
-"""The Node LIST page by page, from the API client (plugin/controller/api.py) through the watcher into the real
+"""The Node LIST page by page, from the API client (plugin/kube/client.py) through the watcher into the real
 reconciler's cache: each page is in the cache before the next one is asked for, and no part of its parsed JSON is
 still held by then, so the controller's memory holds one page of Node JSON at most, not the whole fleet's.
 
-The edge is the HTTP client: a stand-in for ``KubeClient`` that serves ``GET /api/v1/nodes`` in pages, as the API
-server does with ``limit`` and ``continue``, and hands out objects whose release a weak reference can see."""
+The edge is the HTTP transport: a stand-in for ``plugin.kube.transport.Transport`` that serves ``GET /api/v1/nodes``
+in pages, as the API server does with ``limit`` and ``continue``, and hands out objects whose release a weak
+reference can see."""
 
 from __future__ import annotations
 
@@ -15,12 +16,12 @@ from typing import Any
 
 import pytest
 
-from plugin.controller.api import KubeControllerApi
 from plugin.controller.nodes import Keys
 from plugin.controller.policy import Rules
 from plugin.controller.reconciler import Reconciler, Settings
 from plugin.controller.watcher import NodeWatcher
-from plugin.kube.client import ApiFailure
+from plugin.kube.client import KubeClient
+from plugin.kube.errors import ApiFailure
 from tests.conftest import FakeClock
 from tests.fakes.controller_api import T0, FakeControllerApi, FakeLeadership, P, gpu_node
 
@@ -81,7 +82,7 @@ class Rig:
         self.rec = Reconciler(FakeControllerApi(), Settings(keys=Keys(P), rules=Rules()),
                               FakeLeadership(leader=False), clock=self.clock)
         self.client = PagedClient([gpu_node(f"n{i}") for i in range(nodes)], self.rec)
-        api = KubeControllerApi(self.client, page_size=page_size)  # type: ignore[arg-type]
+        api = KubeClient(transport=self.client, list_page_size=page_size)  # type: ignore[arg-type]
         self.w = NodeWatcher(api, "", self.rec, resync_s=3600.0, clock=self.clock, rng=random.Random(3))
 
 

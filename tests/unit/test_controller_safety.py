@@ -11,7 +11,7 @@ from typing import Any
 
 from plugin.controller.breaker import OPEN, BreakerState
 from plugin.controller.reconciler import Reconciler
-from plugin.kube.client import ApiFailure
+from plugin.kube.errors import ApiFailure
 from tests.fakes.controller_api import T0, P, controller_sample, gpu_node, rfc
 from tests.unit.test_controller_reconciler import Rig
 

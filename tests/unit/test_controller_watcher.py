@@ -13,7 +13,7 @@ from plugin.controller.nodes import Keys
 from plugin.controller.policy import Rules
 from plugin.controller.reconciler import Reconciler, Settings
 from plugin.controller.watcher import WATCH_MAX_S, WATCH_MIN_S, NodeWatcher
-from plugin.kube.client import ApiFailure
+from plugin.kube.errors import ApiFailure
 from tests.conftest import FakeClock
 from tests.fakes.controller_api import T0, FakeControllerApi, FakeLeadership, P, gpu_node
 

@@ -18,7 +18,8 @@ from plugin.app import make_reporter
 from plugin.config import load
 from plugin.health.node_state import NodeState
 from plugin.health.reasons import State
-from plugin.kube.client import ApiFailure, KubeClient
+from plugin.kube.client import KubeClient
+from plugin.kube.errors import ApiFailure
 from plugin.outlets.kube import KubeReporter, ReporterSettings
 from tests.conftest import FakeClock
 from tests.fakes.fake_apiserver import FakeApiServer

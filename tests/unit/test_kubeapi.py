@@ -24,8 +24,10 @@ from typing import Any
 
 import pytest
 
-from plugin.kube import client as kubeapi
-from plugin.kube.client import ApiFailure, KubeClient, NodeView, PodView
+from plugin.kube import config as kubeconfig_module
+from plugin.kube.client import KubeClient
+from plugin.kube.errors import ApiFailure
+from plugin.kube.views import NodeView, PodView
 from tests.fakes.fake_apiserver import FakeApiServer
 
 FM = "fieldManager=gpu-health-device-plugin"
@@ -432,7 +434,7 @@ def test_a_token_file_is_read_again_after_a_while_without_a_401(api: FakeApiServ
     client.get_node("n1")
     token.write_text("second")
     client.get_node("n1")  # within the refresh period: the token read before
-    monkeypatch.setattr(kubeapi, "TOKEN_REFRESH_S", 0.0)
+    monkeypatch.setattr(kubeconfig_module, "TOKEN_REFRESH_S", 0.0)
     api.token = "second"
     client.get_node("n1")
     assert [r.authorization for r in api.requests] == ["Bearer test-token"] * 2 + ["Bearer second"]

@@ -14,7 +14,8 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
-from plugin.kube.client import ApiFailure, KubeClient
+from plugin.kube.client import KubeClient
+from plugin.kube.errors import ApiFailure
 
 Handler = Callable[[BaseHTTPRequestHandler], None]
 

@@ -197,8 +197,9 @@ def test_annotation_and_correlation_status_come_from_their_outlets(node: Node) -
     s = scrape(build_registry(Sources(node.state), process=False))
     assert value(s, "gpu_health_annotation_writes_total") is None  # the outlet is off: no series at all
     # ``failures`` is every kind together; only the failed writes are annotation write failures.
-    ann = ReporterStatus(node="n", writes=7, failures=9, write_failures=2, read_failures=3, event_failures=4,
+    ann = ReporterStatus(node="n", writes=7, failures_by_kind={"write": 2, "read": 3, "event": 4},
                          events_written=5, last_error="boom")
+    assert ann.failures == 9
     corr = CorrelationStats(events_posted=3, evictions_evicted=1, evictions_blocked=2)
     reg = build_registry(Sources(node.state, annotations=lambda: ann, correlation=lambda: corr), process=False)
     s = scrape(reg)

@@ -19,9 +19,10 @@ from plugin.dra import slices as rs
 from plugin.dra.slicewriter import SliceWriter
 from plugin.health.node_state import NodeState
 from plugin.health.reasons import State
-from plugin.kube.client import ApiFailure, NodeView
+from plugin.kube.errors import ApiFailure
 from plugin.kube.events import rfc3339
 from plugin.kube.names import DEFAULT_PREFIX
+from plugin.kube.views import NodeView
 from tests.conftest import FakeClock
 from tests.fakes.node_devices import Node
 
