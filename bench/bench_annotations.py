@@ -2,7 +2,7 @@
 """Writes to the Node by the cluster reporter in three scenarios (issue 5), and what cluster reporting costs at
 import.
 
-The real reporter (plugin/outlets/kube.py, its real API client plugin/kube/client.py, real HTTP) writes to
+The real reporter (plugin/outlets/reporter.py, its real API client plugin/kube/client.py, real HTTP) writes to
 the loopback fake API server of tests/fakes/fake_apiserver.py; time is a virtual clock, so "10 minutes" takes a
 few seconds. Each scenario starts after the start-up reconcile and counts node PATCHes (annotations) until the
 reporter has settled:
@@ -39,7 +39,7 @@ from plugin.health.monitor import Monitor  # noqa: E402
 from plugin.health.node_state import NodeState  # noqa: E402
 from plugin.health.reasons import State  # noqa: E402
 from plugin.kube.client import KubeClient  # noqa: E402
-from plugin.outlets.kube import KubeReporter, ReporterSettings  # noqa: E402
+from plugin.outlets.reporter import KubeReporter, ReporterSettings  # noqa: E402
 from tests.fakes.fake_apiserver import FakeApiServer  # noqa: E402
 from tests.fakes.node_devices import Node  # noqa: E402
 
@@ -148,7 +148,7 @@ def import_cost(runs: int) -> dict[str, object]:
     """RSS and start-up time of a fresh interpreter importing the plugin, with and without what cluster reporting
     loads (the reporter, its pure parts and the API client; the App imports them only when reporting is on)."""
     base = "import plugin.app"
-    with_lk = base + "; import plugin.outlets.kube, plugin.kube.client"
+    with_lk = base + "; import plugin.outlets.reporter, plugin.kube.client"
     probe = "; import resource, sys; sys.stdout.write(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))"
     out: dict[str, object] = {}
     for label, code in (("without", base), ("with_reporting", with_lk)):

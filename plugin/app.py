@@ -30,8 +30,8 @@ if TYPE_CHECKING:
     from plugin.devices.nvml import NvmlBackend
     from plugin.dra.mode import DraMode
     from plugin.outlets.correlation import Correlator, Resource
-    from plugin.outlets.kube import KubeReporter
     from plugin.outlets.metrics import MetricsServer
+    from plugin.outlets.reporter import KubeReporter
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def make_reporter(cfg: Config, state: NodeState) -> KubeReporter | None:
     if not wanted:
         return None
     from plugin.kube.client import KubeClient
-    from plugin.outlets.kube import KubeReporter, ReporterSettings
+    from plugin.outlets.reporter import KubeReporter, ReporterSettings
     settings = ReporterSettings(
         node_name=cfg.node_name, prefix=cfg.annotation_prefix, annotations=cfg.annotations, events=cfg.events,
         condition=cfg.node_condition, condition_type=cfg.node_condition_type, debounce_s=cfg.report_debounce,

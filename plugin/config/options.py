@@ -135,7 +135,7 @@ class Config:
     remediate: str = field(default="none", metadata=spec(
         Choice("none", "evict"), "evict: evict pods holding a failing device through the eviction API "
         "(PodDisruptionBudgets apply)"))
-    # Cluster reporting (plugin/outlets/kube.py, docs/annotations.md). Reporting is on when a node name is known.
+    # Cluster reporting (plugin/outlets/reporter.py, docs/annotations.md). Reporting is on when a node name is known.
     node_name: str = field(default="", metadata=spec(
         _stripped(check_node_name), "this node's name in the API server (the DaemonSet sets NODE_NAME); empty turns "
         "cluster reporting off", "NAME", env_aliases=("NODE_NAME",)))

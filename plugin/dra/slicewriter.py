@@ -1,7 +1,7 @@
 """The writer that keeps the node's DRA ResourceSlice on the API server (DRA driver mode).
 
 A thin writer around the pure parts in ``slices.py``, on the paced-writer base it shares with the node reporter
-(plugin/kube/writer.py, plugin/outlets/kube.py):
+(plugin/kube/writer.py, plugin/outlets/reporter.py):
 
 - only on change: it keeps the server's copy from its last read or write and asks ``slice_changed`` whether what it
   wants differs; an unchanged node costs no request at all but one GET every ``resync_s``;

@@ -1,4 +1,4 @@
-"""What the node agent's paced writers to the API server share (the node reporter, plugin/outlets/kube.py, and the
+"""What the node agent's paced writers to the API server share (the node reporter, plugin/outlets/reporter.py, and the
 ResourceSlice writer, plugin/dra/slicewriter.py): the status they show, read by other threads (metrics, the health
 stream) under a lock; the API client, built lazily and again after a failure; one warning per failed attempt (the
 back-off paces the attempts, so this cannot flood the log) and one line on recovery; the bounded re-read after a

@@ -1,6 +1,6 @@
 """Events on the Node for transitions into and out of the bad states, aggregated with a count.
 
-Pure bookkeeping: the writer (``kube.py``) feeds transitions in and asks which Events are due; it does the I/O.
+Pure bookkeeping: the reporter (``reporter.py``) feeds transitions in and asks which Events are due; it does the I/O.
 One aggregation key is (device, Event reason, reason codes): the same thing happening again within the window bumps
 ``count`` and ``lastTimestamp`` on the existing Event instead of creating a new one, and a key is written at most once
 per ``min_interval_s``, so a device flapping at 10 Hz costs one request per key per interval, not one per flap.

@@ -1,6 +1,6 @@
 """The node annotation schema (docs/annotations.md): its one codec, both directions, as pure functions.
 
-Encoding: the agent's writer (``outlets/kube.py``) hands in a snapshot and the last transition of each device and
+Encoding: the agent's writer (``outlets/reporter.py``) hands in a snapshot and the last transition of each device and
 gets back the annotations we want, then the merge patch that turns what the server has into that; no I/O and no
 clock. Decoding: the fleet controller, ``kubectl gpu-health`` and the tests turn a Node's annotations back into typed
 values with :func:`decode`. Nothing else reads these keys. Bump ``SCHEMA_VERSION`` on any incompatible change.

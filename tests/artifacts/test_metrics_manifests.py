@@ -23,8 +23,8 @@ from plugin.kubelet.allocation import AllocationConfig
 from plugin.kubelet.resources import WholeGpus
 from plugin.kubelet.supervisor import Supervisor
 from plugin.outlets.correlation import CorrelationStats
-from plugin.outlets.kube import ReporterStatus
 from plugin.outlets.metrics import Sources, build_registry
+from plugin.outlets.reporter import ReporterStatus
 from tests.fakes.fake_pynvml import eight_gpu_node
 
 REPO = Path(__file__).resolve().parents[2]

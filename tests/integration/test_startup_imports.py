@@ -16,7 +16,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
-REPORTING = {"plugin.outlets.kube", "plugin.schema.annotations", "plugin.outlets.events",
+REPORTING = {"plugin.outlets.reporter", "plugin.schema.annotations", "plugin.outlets.events",
              "plugin.outlets.condition"}
 METRICS = {"plugin.outlets.metrics"}
 # What the metrics outlet does without: prometheus_client and the HTTP stack it loads cost ~3 MiB of RSS.

@@ -33,8 +33,8 @@ from plugin.kubelet.allocation import AllocationConfig
 from plugin.kubelet.resources import WholeGpus
 from plugin.kubelet.supervisor import Supervisor
 from plugin.outlets.correlation import CorrelationStats
-from plugin.outlets.kube import ReporterStatus
 from plugin.outlets.metrics import Sources, build_registry
+from plugin.outlets.reporter import ReporterStatus
 from plugin.serve.exposition import (
     ALLOW_UTF8,
     DOTS,

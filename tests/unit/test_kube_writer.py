@@ -20,7 +20,7 @@ from plugin.health.node_state import NodeState
 from plugin.health.reasons import State
 from plugin.kube.client import KubeClient
 from plugin.kube.errors import ApiFailure
-from plugin.outlets.kube import KubeReporter, ReporterSettings
+from plugin.outlets.reporter import KubeReporter, ReporterSettings
 from tests.conftest import FakeClock
 from tests.fakes.fake_apiserver import FakeApiServer
 from tests.fakes.node_devices import Node
@@ -177,7 +177,7 @@ def test_api_trouble_backs_off_shows_in_status_and_converges(api: FakeApiServer,
     api.fail(status, count=4, retry_after=retry_after)
     h.node.publish(T0)
     h.set(6, State.UNHEALTHY, "xid-79")
-    with caplog.at_level(logging.WARNING, "plugin.outlets.kube"):
+    with caplog.at_level(logging.WARNING, "plugin.outlets.reporter"):
         h.at(1000.0)
         s = h.rep.status()
         assert not s.ok and s.failures == 1 and f"HTTP {status}" in (s.last_error or "")

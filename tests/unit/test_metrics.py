@@ -26,8 +26,8 @@ from plugin.kubelet.allocation import AllocationConfig
 from plugin.kubelet.resources import WholeGpus
 from plugin.kubelet.supervisor import Supervisor
 from plugin.outlets.correlation import CorrelationStats
-from plugin.outlets.kube import ReporterStatus
 from plugin.outlets.metrics import Sources, build_registry, label_code
+from plugin.outlets.reporter import ReporterStatus
 from tests.conftest import FakeClock, NodeFile
 from tests.fakes.fake_pynvml import eight_gpu_node
 

@@ -13,8 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from plugin.health.node_state import NodeState
 from plugin.health.reasons import State
 from plugin.kube.client import KubeClient
-from plugin.outlets.kube import KubeReporter, ReporterSettings
 from plugin.outlets.metrics import Sources, build_registry
+from plugin.outlets.reporter import KubeReporter, ReporterSettings
 from tests.conftest import FakeClock
 from tests.fakes.fake_apiserver import FakeApiServer, Request
 from tests.fakes.node_devices import Node

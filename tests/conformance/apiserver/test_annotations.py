@@ -27,7 +27,7 @@ import yaml
 from plugin.health.node_state import NodeState
 from plugin.health.reasons import State
 from plugin.kube.client import KubeClient
-from plugin.outlets.kube import KubeReporter, ReporterSettings
+from plugin.outlets.reporter import KubeReporter, ReporterSettings
 from tests.conformance.apiserver.apiserver_peer import wait_until
 from tests.conftest import FakeClock
 from tests.fakes.node_devices import Node
