@@ -357,3 +357,44 @@ def test_the_script_checker_allows_public_names_and_scripts_importing_scripts(tm
         "plugin/validation.py": "", "plugin/config/options.py": "",
     })
     assert script_violations(root) == []
+
+
+# The pure cores of both programs: decisions and encodings that take the clock and the facts as arguments, so tests
+# drive them on plain values and the I/O stays in the modules around them. docs/architecture.md names them.
+PURE = (
+    "plugin.health.reasons", "plugin.health.policy", "plugin.health.tracker",
+    "plugin.schema.annotations", "plugin.outlets.condition", "plugin.outlets.events",
+    "plugin.controller.nodes", "plugin.controller.policy", "plugin.controller.breaker", "plugin.controller.patches",
+    "plugin.dra.slices", "plugin.kube.ratelimit", "plugin.kube.events", "plugin.kube.views",
+    "plugin.options.durations", "plugin.options.selectors", "plugin.sharing.model", "plugin.sharing.config",
+)
+# What a pure core may not import: the clock, threads, processes, files and the network, and our own modules that
+# do I/O (the API client's transport, sockets, the file writer).
+IMPURE = ("time", "threading", "subprocess", "socket", "ssl", "http", "urllib", "selectors", "signal", "fcntl", "os",
+          "grpc", "pynvml", "watchdog", "plugin.kube.client", "plugin.kube.transport", "plugin.kube.config",
+          "plugin.sockets", "plugin.atomicfile")
+
+
+def impure_imports(root: Path, module: str) -> list[str]:
+    path = root.joinpath(*module.split(".")).with_suffix(".py")
+    found: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+        found += [f"{module}:{node.lineno} imports {n}" for n in names
+                  if any(n == bad or n.startswith(bad + ".") for bad in IMPURE)]
+    return found
+
+
+def test_the_pure_cores_do_no_io() -> None:
+    problems = [p for m in PURE for p in impure_imports(REPO, m)]
+    assert not problems, "a pure core imports I/O:\n" + "\n".join(problems)
+
+
+def test_the_purity_checker_catches(tmp_path: Path) -> None:
+    (tmp_path / "plugin" / "controller").mkdir(parents=True)
+    (tmp_path / "plugin" / "controller" / "policy.py").write_text(
+        "import time\nfrom plugin.kube.client import KubeClient\nfrom os import path\n")
+    assert impure_imports(tmp_path, "plugin.controller.policy") == [
+        "plugin.controller.policy:1 imports time", "plugin.controller.policy:2 imports plugin.kube.client",
+        "plugin.controller.policy:3 imports os"]
