@@ -1,8 +1,9 @@
 """The cluster reporter: writes node annotations, the node condition and Events through the Kubernetes API.
 
-A thin writer around pure parts (``annotations.py``, ``condition.py``, ``events.py``), on the paced-writer base
-(plugin/kube/writer.py) and the write scheduler (plugin/kube/ratelimit.py) it shares with the ResourceSlice writer. It
-runs in its own thread, reads the node state (never holding its lock during I/O) and keeps the API server calm:
+A thin writer around pure parts (the annotation codec in plugin/schema/annotations.py, ``condition.py``,
+``events.py``), on the paced-writer base (plugin/kube/writer.py) and the write scheduler (plugin/kube/ratelimit.py)
+it shares with the ResourceSlice writer. It runs in its own thread, reads the node state (never holding its lock
+during I/O) and keeps the API server calm:
 
 - only on change: it compares what it wants with what the server has, and writes nothing when they agree;
 - a burst is coalesced: a write happens ``debounce_s`` after the first unwritten change, with the state of that
