@@ -89,7 +89,8 @@ def make_reporter(cfg: Config, state: NodeState) -> KubeReporter | None:
     from plugin.outlets.reporter import KubeReporter, ReporterSettings
     settings = ReporterSettings(
         node_name=cfg.node_name, prefix=cfg.annotation_prefix, annotations=cfg.annotations, events=cfg.events,
-        condition=cfg.node_condition, condition_type=cfg.node_condition_type, debounce_s=cfg.report_debounce,
+        condition=cfg.node_condition, condition_type=cfg.node_condition_type,
+        condition_reasons=cfg.node_condition_reasons, debounce_s=cfg.report_debounce,
         min_interval_s=cfg.report_min_interval, resync_s=cfg.report_resync_interval,
         max_bytes=cfg.annotation_max_bytes, backoff_max_s=cfg.report_backoff_max)
     kubeconfig = cfg.kubeconfig

@@ -154,7 +154,11 @@ class Config:
     node_condition: bool = field(default=False, metadata=spec(
         parse_bool, "maintain a node condition (needs nodes/status patch: the node-condition overlay)"))
     node_condition_type: str = field(default="GPUHealthy", metadata=spec(
-        _stripped(check_condition_type), "type of that node condition", "TYPE"))
+        _stripped(check_condition_type), "type of that node condition (AcceleratedHardwareReady for EKS node repair: "
+        "docs/remediation.md)", "TYPE"))
+    node_condition_reasons: str = field(default="ours", metadata=spec(
+        Choice("ours", "eks"), "reason style of that node condition: ours (GPUUnhealthy, GPUStateUnknown, "
+        "GPUsHealthy) or eks (the EKS node monitoring agent's names, NvidiaXID<N>Error, ...)"))
     report_debounce: float = field(default=1.0, metadata=spec(
         positive_float, "seconds a burst of changes is collected into one write", "SECONDS"))
     report_min_interval: float = field(default=10.0, metadata=spec(

@@ -1,9 +1,10 @@
 """The node condition (opt-in): pure functions from a snapshot to the condition we want on the Node.
 
 ``status`` is ``False`` while any device is Unhealthy (the condition says "GPUs are healthy"), ``Unknown`` while none
-is Unhealthy but some device's state is Unknown, ``True`` otherwise. Times are left to the writer: a condition's
-``lastTransitionTime`` changes only when its status does, and nothing here depends on the clock, so an unchanged
-node never causes a write.
+is Unhealthy but some device's state is Unknown, ``True`` otherwise. The reason is in the configured style
+(``condition_reasons.py``), from the worst reason of the devices that set the status. Times are left to the
+writer: a condition's ``lastTransitionTime`` changes only when its status does, and nothing here depends on the
+clock, so an unchanged node never causes a write.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 from plugin.health.node_state import Snapshot
 from plugin.health.reasons import State
 from plugin.kube.events import rfc3339, truncate
+from plugin.outlets.condition_reasons import condition_reason, worst_reason
 from plugin.schema.annotations import device_names
 
 
@@ -38,28 +40,29 @@ class DesiredCondition:
                 "lastHeartbeatTime": rfc3339(now), "lastTransitionTime": transition}
 
 
-def desired_condition(snapshot: Snapshot, ctype: str) -> DesiredCondition:
+def desired_condition(snapshot: Snapshot, ctype: str, style: str = "ours") -> DesiredCondition:
     names = device_names(snapshot.devices)
     unhealthy = [d for d in snapshot.devices if d.state is State.UNHEALTHY]
     unknown = [d for d in snapshot.devices if d.state is State.UNKNOWN]
     n = len(snapshot.devices)
     if unhealthy:
-        status, reason, bad = "False", "GPUUnhealthy", unhealthy
+        status, bad = "False", unhealthy
         head = f"{len(unhealthy)} of {n} GPU devices Unhealthy"
     elif unknown or (not snapshot.devices and snapshot.backend_error):
-        status, reason, bad = "Unknown", "GPUStateUnknown", unknown
+        status, bad = "Unknown", unknown
         head = f"{len(unknown)} of {n} GPU devices in an unknown state"
         if snapshot.backend_error:
             head += f"; backend error: {snapshot.backend_error}"
     else:
         degraded = sum(1 for d in snapshot.devices if d.state is State.DEGRADED)
-        status, reason, bad = "True", "GPUsHealthy", []
+        status, bad = "True", []
         head = f"no Unhealthy GPU devices ({n} devices, {degraded} Degraded)"
     parts = []
     for d in sorted(bad, key=lambda d: names[d.id]):
         codes = ", ".join(r.code for r in d.reasons) or "no reason given"
         parts.append(f"{names[d.id]} ({d.id}): {codes}")
     message = head + (": " + "; ".join(parts) if parts else "")
+    reason = condition_reason(style, status, worst_reason(d.reasons for d in bad))
     return DesiredCondition(ctype, status, reason, truncate(message))
 
 

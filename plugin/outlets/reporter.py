@@ -65,6 +65,7 @@ class ReporterSettings:
     events: bool = True
     condition: bool = False
     condition_type: str = "GPUHealthy"
+    condition_reasons: str = "ours"  # the reason style (condition_reasons.py)
     debounce_s: float = 1.0
     min_interval_s: float = 10.0
     resync_s: float = 600.0
@@ -191,7 +192,7 @@ class KubeReporter(PacedWriter[ReporterStatus, KubeApi], OutletThread):
                                 s.max_bytes, desired.truncated)
                 self._update(truncated=desired.truncated)
         if s.condition:
-            self._desired_cond = desired_condition(snap, s.condition_type)
+            self._desired_cond = desired_condition(snap, s.condition_type, s.condition_reasons)
         present = {d.id for d in snap.devices}
         self._last = {k: v for k, v in self._last.items() if k in present}
 

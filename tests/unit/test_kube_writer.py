@@ -277,6 +277,32 @@ def test_node_condition_follows_unhealthy_devices(api: FakeApiServer, tmp_path: 
     assert len([r for r in api.requests if "/status" in r.path]) == 2
 
 
+def test_node_condition_in_the_eks_style_names_the_xid(api: FakeApiServer, tmp_path: Path) -> None:
+    """The EKS node repair recipe (docs/remediation.md): their condition type, their reason names, our message."""
+    rep = make_reporter(load({"node_condition": "true", "node_condition_type": "AcceleratedHardwareReady",
+                              "node_condition_reasons": "eks"}, {"NODE_NAME": NODE}, None), NodeState())
+    assert rep is not None
+    h = Harness(api, tmp_path, condition=True, condition_type=rep.settings.condition_type,
+                condition_reasons=rep.settings.condition_reasons, events=False)
+    h.node.publish(T0)
+    h.at(1001.0)
+    cond = {c["type"]: c for c in api.conditions(NODE)}
+    assert (cond["AcceleratedHardwareReady"]["status"], cond["AcceleratedHardwareReady"]["reason"]) == \
+        ("True", "NvidiaGPUIsReady")
+    assert "GPUHealthy" not in cond
+    h.set(2, State.UNHEALTHY, "ecc-uncorrected")
+    h.set(6, State.UNHEALTHY, "xid-79")
+    h.at(1100.0)
+    c = {c["type"]: c for c in api.conditions(NODE)}["AcceleratedHardwareReady"]
+    # XID 79 asks for a node reboot, the heavier action: it names the node; the message names both GPUs.
+    assert (c["status"], c["reason"]) == ("False", "NvidiaXID79Error")
+    assert "gpu.2" in c["message"] and "gpu.6" in c["message"] and "xid-79" in c["message"]
+    h.set(6, State.HEALTHY)
+    h.at(1200.0)
+    c = {c["type"]: c for c in api.conditions(NODE)}["AcceleratedHardwareReady"]
+    assert (c["status"], c["reason"]) == ("False", "NvidiaDoubleBitError")
+
+
 def test_reporter_thread_converges_without_touching_the_kubelet_path(api: FakeApiServer, tmp_path: Path) -> None:
     """The real thread and clock: an API outage, then recovery, while the node state keeps publishing."""
     state = NodeState()

@@ -363,7 +363,8 @@ def test_the_script_checker_allows_public_names_and_scripts_importing_scripts(tm
 # drive them on plain values and the I/O stays in the modules around them. docs/architecture.md names them.
 PURE = (
     "plugin.health.reasons", "plugin.health.policy", "plugin.health.tracker",
-    "plugin.schema.annotations", "plugin.outlets.condition", "plugin.outlets.events",
+    "plugin.schema.annotations", "plugin.outlets.condition", "plugin.outlets.condition_reasons",
+    "plugin.outlets.events",
     "plugin.controller.nodes", "plugin.controller.policy", "plugin.controller.breaker", "plugin.controller.patches",
     "plugin.dra.slices", "plugin.kube.ratelimit", "plugin.kube.events", "plugin.kube.views",
     "plugin.options.durations", "plugin.options.selectors", "plugin.sharing.model", "plugin.sharing.config",
