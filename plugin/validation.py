@@ -59,7 +59,10 @@ def split_host_port(s: str) -> tuple[str, int]:
 _DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 _DNS_LABEL_RE = re.compile(_DNS_LABEL)
 _DNS_SUBDOMAIN_RE = re.compile(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*")
-_NAME_PART_RE = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+_NAME_PART = r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?"
+_NAME_PART_RE = re.compile(_NAME_PART)
+# ``[prefix/]name`` as one pattern, for schemas (the chart's); is_qualified_name also checks the lengths.
+QUALIFIED_NAME_PATTERN = rf"({_DNS_LABEL}(\.{_DNS_LABEL})*/)?{_NAME_PART}"
 REASON_CODE_RE = re.compile(r"[a-z0-9]+(-[a-z0-9]+)*")
 RESERVED_DOMAINS = ("kubernetes.io", "k8s.io")
 # Node conditions the kubelet and the node lifecycle controller write; a condition of ours under one of these types

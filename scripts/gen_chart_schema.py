@@ -40,7 +40,13 @@ from plugin.options import table as options_table  # noqa: E402
 from plugin.options.durations import DURATION_PART, Duration  # noqa: E402
 from plugin.options.table import Option  # noqa: E402
 from plugin.sharing.config import MAX_REPLICAS, MIG_STRATEGIES, POLICIES  # noqa: E402
-from plugin.validation import REASON_CODE_RE, Choice, parse_bool  # noqa: E402
+from plugin.validation import (  # noqa: E402
+    KUBELET_CONDITIONS,
+    QUALIFIED_NAME_PATTERN,
+    REASON_CODE_RE,
+    Choice,
+    parse_bool,
+)
 from scripts import file_keys  # noqa: E402
 
 CHART = REPO / "charts" / "gpu-health-device-plugin"
@@ -138,10 +144,11 @@ def _plugin_option(o: Option, hint: Any) -> Schema:
 # Options the chart sets itself, left out of the plugin section so that a value there cannot fight the chart: the
 # paths the DaemonSet mounts (hostPaths), the node name (the Downward API), the metrics address (the container port
 # the probes use), and the options with a chart value of their own (migStrategy, failOnInitError, cdi,
-# nodeCondition, clusterReporting, remediation, updateStrategy).
+# nodeCondition with its type and reasons, clusterReporting, remediation, updateStrategy).
 CHART_OWNED = frozenset({
     "devicePluginDir", "stateDir", "healthSocket", "podResourcesSocket", "nodeName", "kubeconfig", "metricsAddress",
-    "migStrategy", "failOnInitError", "cdi", "nodeCondition", "annotations", "events", "remediate",
+    "migStrategy", "failOnInitError", "cdi", "nodeCondition", "nodeConditionType", "nodeConditionReasons",
+    "annotations", "events", "remediate",
     "annotatePods", "handover",
     # DRA mode needs its own mounts and grants: the chart serves the device-plugin mode only (docs/dra.md).
     "mode", "draPluginDir", "draRegistryDir", "cdiSpecDir",
@@ -305,7 +312,13 @@ def chart_schema() -> Schema:
                                       "time-slicing replicas (docs/sharing.md); empty shares nothing."),
         "cdi": _switch("Allocate also returns CDI device names; the runtime needs CDI enabled and CDI specs for the "
                        "GPUs."),
-        "nodeCondition": _switch("Maintain the GPUHealthy node condition, with patch on nodes/status for it."),
+        "nodeCondition": _fixed("A node condition, with patch on nodes/status for it.", {
+            "enabled": _boolean("Maintain a node condition, with patch on nodes/status for it."),
+            "type": {**_string("Its type (the plugin's nodeConditionType); the admission policy allows only this "
+                               "one. Never one of the kubelet's own.", pattern=f"^{QUALIFIED_NAME_PATTERN}$"),
+                     "not": {"enum": list(KUBELET_CONDITIONS)}},
+            "reasons": _enum("Its reason style (the plugin's nodeConditionReasons).",
+                             plugin_options.option("node_condition_reasons").choices)}),
         "clusterReporting": _switch("Node annotations and Events; false: no API access at all (no token, no "
                                     "ClusterRole, binding or admission policy)."),
         "remediation": _switch("Annotate and evict the pods holding a GPU that turned Unhealthy, with a ClusterRole "

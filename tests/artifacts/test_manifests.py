@@ -353,17 +353,33 @@ def test_annotations_off_has_no_api_access(rendered: dict[str, list[dict[str, An
     assert _without(over, set()) == expected
 
 
-def test_node_condition_adds_only_the_status_grant(rendered: dict[str, list[dict[str, Any]]]) -> None:
+NODE_CONDITION_ARGS = ["--node-condition=true", "--node-condition-type=GPUHealthy", "--node-condition-reasons=ours"]
+
+
+def policy_condition_type(objs: list[dict[str, Any]]) -> str:
+    """The one condition type the admission policy lets the plugin write (its ``conditionType`` variable)."""
+    variables = {v["name"]: v["expression"] for v in find(objs, "ValidatingAdmissionPolicy", VAP)["spec"]["variables"]}
+    expression = variables["conditionType"]
+    assert re.fullmatch(r"'[^'\\]+'", expression), expression  # a plain CEL string literal
+    return str(expression[1:-1])
+
+
+def test_node_condition_adds_only_the_status_grant(rendered: dict[str, list[dict[str, Any]]],
+                                                   tmp_path: Path) -> None:
     base, over = rendered["base"], rendered["node-condition"]
     status_rule = {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]}
     base_rules = find(base, "ClusterRole")["rules"]
     assert not any("nodes/status" in r["resources"] for r in base_rules)
     assert find(over, "ClusterRole")["rules"] == [*base_rules, status_rule]
-    assert container(find(over, "DaemonSet"))["args"] == ["run", "--node-condition=true"]
+    assert container(find(over, "DaemonSet"))["args"] == ["run", *NODE_CONDITION_ARGS]
     expected = copy.deepcopy(_without(base, set()))
     expected[("ClusterRole", NAME)]["rules"].append(status_rule)
-    container(expected[("DaemonSet", NAME)])["args"].append("--node-condition=true")
+    container(expected[("DaemonSet", NAME)])["args"].extend(NODE_CONDITION_ARGS)
     assert _without(over, set()) == expected
+    # The component sets the type in two places: the policy allows exactly the type the plugin writes.
+    cfg, _ = _plugin_config(over, tmp_path)
+    assert policy_condition_type(over) == policy_condition_type(base) == cfg.node_condition_type == "GPUHealthy"
+    assert cfg.node_condition_reasons == "ours"
 
 
 def test_cdi_only_turns_on_cdi(rendered: dict[str, list[dict[str, Any]]]) -> None:
@@ -413,7 +429,7 @@ def test_components_compose(kubectl: Path, tmp_path: Path) -> None:
         "components": ["../manifests/components/node-condition", "../manifests/components/cdi"],
     })
     objs = render(kubectl, root / "mine")
-    assert container(find(objs, "DaemonSet"))["args"] == ["run", "--node-condition=true", "--cdi=true"]
+    assert container(find(objs, "DaemonSet"))["args"] == ["run", *NODE_CONDITION_ARGS, "--cdi=true"]
     assert any("nodes/status" in r["resources"] for r in find(objs, "ClusterRole")["rules"])
 
 
