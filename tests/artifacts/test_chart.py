@@ -44,7 +44,7 @@ import yaml
 from plugin.health.reasons import KubeletHealth, State
 from plugin.validation import FieldError
 from scripts import helm as helm_build
-from tests.artifacts.test_manifests import _plugin_config, find, render, strict_problems
+from tests.artifacts.test_manifests import _plugin_config, find, policy_condition_type, render, strict_problems
 from tests.conformance.apiserver import _binaries as binaries
 from tests.conformance.skips import build_or_skip
 
@@ -503,6 +503,33 @@ def test_bad_health_value_is_refused(helm: Path, tmp_path: Path) -> None:
     with pytest.raises(FieldError) as exc:
         _plugin_config(objs, tmp_path)
     assert exc.value.field == "health.clearAfterPolls"
+
+
+# The node condition: EKS node repair (docs/remediation.md) --------------------------------------------------------
+
+EKS_VALUES = REPO / "docs" / "recipes" / "eks-node-repair-values.yaml"
+
+
+def test_eks_node_repair_values_reach_the_plugin_and_the_policy(helm: Path, tmp_path: Path) -> None:
+    objs = helm_template(helm, [EKS_VALUES])
+    cfg, _ = _plugin_config(objs, tmp_path)
+    assert (cfg.node_condition, cfg.node_condition_type, cfg.node_condition_reasons) == \
+        (True, "AcceleratedHardwareReady", "eks")
+    # The admission policy lets the plugin write that condition, and only it.
+    assert policy_condition_type(objs) == "AcceleratedHardwareReady"
+    assert any(r["resources"] == ["nodes/status"] for r in find(objs, "ClusterRole", NAME)["rules"])
+    problems, _ = strict_problems((("eks", o) for o in objs), KUBE_VERSIONS[-1])
+    assert not problems, problems
+
+
+@pytest.mark.parametrize(("value", "says"), [
+    ("nodeCondition.type=Ready", "/nodeCondition/type"),
+    ("nodeCondition.type=has space", "/nodeCondition/type"),
+    ("nodeCondition.reasons=aws", "/nodeCondition/reasons"),
+])
+def test_bad_node_condition_values_are_refused_by_the_schema(helm: Path, value: str, says: str) -> None:
+    out = helm_run(helm, *template_args(sets=("nodeCondition.enabled=true", value)))
+    assert out.returncode != 0 and says in out.stderr, out.stderr
 
 
 # values.yaml documents every value ------------------------------------------------------------------------------
