@@ -17,6 +17,7 @@ from tests.artifacts.test_manifests import (
     MANIFESTS,
     NAME,
     NAMESPACE,
+    NODE_CONDITION_ARGS,
     SLICE_VAP,
     VAP,
     _plugin_config,
@@ -117,7 +118,7 @@ def test_only_the_mode_mounts_and_grants_are_added(rendered: dict[str, list[dict
     c, w = container(ds), container(want)
     extra = [a for a in c["args"] if a not in w["args"]]
     assert extra[0] == "--mode=dra" and all(a.startswith(("--dra-", "--cdi-spec-dir=")) for a in extra[1:])
-    assert [a for a in w["args"] if a not in c["args"]] in ([], ["--node-condition=true"])
+    assert [a for a in w["args"] if a not in c["args"]] in ([], NODE_CONDITION_ARGS)
     assert sorted(set(_names(c["volumeMounts"])) - set(_names(w["volumeMounts"]))) == ["cdi", "dra-plugin",
                                                                                        "plugins-registry"]
     assert set(_names(w["volumeMounts"])) <= set(_names(c["volumeMounts"]))
