@@ -1,6 +1,7 @@
 """The App in DRA mode, wired as ``run`` wires it: the DRA driver instead of the device-plugin supervisor, /readyz
 true only once the kubelet took the registration, the health stream fed by the real monitor, and an API server that
-cannot be reached costing a per-claim error, never the process. The kubelet is played by grpc clients."""
+cannot be reached costing a per-claim error, never the process, and all of it on /metrics. The kubelet is played by
+grpc clients."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from api.dra.v1 import api_pb2 as dra_pb2
 from api.dra.v1 import api_pb2_grpc as dra_grpc
@@ -26,6 +28,7 @@ from api.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from plugin.app import App
 from plugin.config import load
 from tests.conftest import NodeFile
+from tests.integration.test_dra_server import poll
 
 DRIVER = "gpu.gpu-health.io"
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,6 +38,13 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _metrics(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    status, body = _probe(port, "/metrics")
+    assert status == 200
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(body) for s in fam.samples}
 
 
 def _probe(port: int, path: str) -> tuple[int, str]:
@@ -100,6 +110,7 @@ def test_dra_mode_serves_the_kubelet_through_dra_only_and_is_ready_once_register
                 assert got["gpu-3"].message.startswith("xid-79"), got["gpu-3"].message
                 assert got["gpu-2"].health == h_pb2.HEALTHY
                 break
+        assert _metrics(port)[("gpu_health_dra_health_streams", ())] == 1
         stream.cancel()
         # The API server is unreachable: the claim gets an error of its own naming it; the process serves on.
         uid = "3c9e7f1a-2b4d-4e6f-8a1c-0d2e4f6a8b0c"
@@ -107,6 +118,21 @@ def test_dra_mode_serves_the_kubelet_through_dra_only_and_is_ready_once_register
             claims=[dra_pb2.Claim(namespace="ns", uid=uid, name="c")]), timeout=10)
         assert resp.claims[uid].error and "c" in resp.claims[uid].error
     assert _probe(port, "/healthz")[0] == 200
+
+    # /metrics has DRA mode's series next to the node state's, in the format Prometheus parses.
+    def slice_read_failed() -> bool:
+        return _metrics(port)[("gpu_health_dra_slice_failures_total", (("kind", "read"),))] >= 1
+
+    assert poll(slice_read_failed)
+    m = _metrics(port)
+    assert m[("gpu_health_registered", ())] == 1 and m[("gpu_health_registrations_total", ())] == 1
+    assert m[("gpu_health_dra_slice_ok", ())] == 0 and m[("gpu_health_dra_slice_writes_total", ())] == 0
+    assert m[("gpu_health_dra_slice_last_error_timestamp_seconds", ())] > 0
+    assert m[("gpu_health_dra_claim_results_total", (("operation", "prepare"), ("result", "api-error")))] == 1
+    assert m[("gpu_health_dra_claim_results_total", (("operation", "prepare"), ("result", "ok")))] == 0
+    assert m[("gpu_health_dra_prepared_claims", ())] == 0
+    assert m[("gpu_health_dra_health_streams", ())] == 0 and m[("gpu_health_devices", ())] == 8
+    assert not any(name.startswith("gpu_health_listandwatch") for name, _ in m)  # no device-plugin servers here
 
 
 def test_a_checkpoint_from_a_newer_plugin_stops_the_start_with_one_line(short_socket_dir: Path,

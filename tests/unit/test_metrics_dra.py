@@ -26,6 +26,7 @@ from plugin.devices.nvml import NvmlBackend
 from plugin.dra import slices as rs
 from plugin.dra.checkpoint import Checkpoint
 from plugin.dra.driver import PREPARE, RESULTS, UNPREPARE, ClaimRef, Driver, RequestError, Result, Unavailable
+from plugin.dra.mode import DraMode, DraSettings
 from plugin.dra.slicewriter import SliceWriter
 from plugin.health.node_state import NodeState
 from plugin.health.reasons import State
@@ -40,6 +41,13 @@ from tests.unit.test_metrics import named, scrape, value
 from tests.unit.test_slicewriter import FakeSliceServer
 
 GOLDEN = Path(__file__).with_name("device_plugin_exposition.txt")
+
+
+def idle_dra_mode(state: NodeState, root: Path) -> DraMode:
+    """DRA mode built as the App builds it and not started: a source of every DRA series, its API never called."""
+    settings = DraSettings(node_name=NODE, plugin_dir=root / "plugin", registry_dir=root / "registry",
+                           cdi_dir=root / "cdi", state_dir=root / "state", dev_dir=str(root / "dev"))
+    return DraMode(settings, state, FakeClaims(), FakeSliceServer, time.monotonic)
 
 
 def types(registry: Registry) -> dict[str, str]:
