@@ -5,7 +5,6 @@ grpc clients."""
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -27,7 +26,7 @@ from api.pluginregistration.v1 import api_pb2 as reg_pb2
 from api.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from plugin.app import App
 from plugin.config import load
-from tests.conftest import NodeFile
+from tests.conftest import NodeFile, write_kubeconfig
 from tests.integration.test_dra_server import poll
 
 DRIVER = "gpu.gpu-health.io"
@@ -60,12 +59,7 @@ def app(short_socket_dir: Path, dev_root: Path) -> Iterator[tuple[App, int, Node
     root = short_socket_dir
     node = NodeFile(root / "node.json")
     # An API server nobody listens on: the slice writer and the claim reads fail and back off.
-    kubeconfig = root / "kubeconfig"
-    kubeconfig.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "c",
-        "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{_free_port()}"}}],
-        "users": [{"name": "u", "user": {"token": "t"}}],
-        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
+    kubeconfig = write_kubeconfig(root / "kubeconfig", f"http://127.0.0.1:{_free_port()}")
     port = _free_port()
     flags = {"mode": "dra", "backend": "simulated", "simulated_node": str(node.path), "node_name": "gpu-node-1",
              "kubeconfig": str(kubeconfig), "state_dir": str(root / "state"), "dev_root": str(dev_root),
@@ -141,12 +135,7 @@ def test_a_checkpoint_from_a_newer_plugin_stops_the_start_with_one_line(short_so
     its version, and the file stays as it was."""
     root = short_socket_dir
     node = NodeFile(root / "node.json")
-    kubeconfig = root / "kubeconfig"
-    kubeconfig.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "c",
-        "clusters": [{"name": "c", "cluster": {"server": "http://127.0.0.1:9"}}],
-        "users": [{"name": "u", "user": {"token": "t"}}],
-        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
+    kubeconfig = write_kubeconfig(root / "kubeconfig", "http://127.0.0.1:9")
     checkpoint = root / "state" / "dra-checkpoint.json"
     checkpoint.parent.mkdir()
     text = '{"version": 7, "claims": {}}'

@@ -5,7 +5,6 @@ it was."""
 
 from __future__ import annotations
 
-import json
 import random
 import re
 import threading
@@ -33,10 +32,10 @@ from plugin.health.reasons import State
 from plugin.kube.errors import ApiFailure
 from plugin.outlets.metrics import Sources, build_registry
 from plugin.serve.exposition import Registry, encode_text
-from tests.conftest import FakeClock
+from tests.conftest import FakeClock, write_kubeconfig
 from tests.fakes.fake_pynvml import eight_gpu_node
 from tests.fakes.node_devices import Node
-from tests.integration.test_dra_driver import NODE, T0, FakeClaims, ours, uid
+from tests.integration.test_dra_driver import NODE, T0, FakeClaims, Plugin, ours, uid
 from tests.unit.test_metrics import named, scrape, value
 from tests.unit.test_slicewriter import FakeSliceServer
 
@@ -176,17 +175,13 @@ def test_an_api_server_dropping_taints_shows_as_taints_not_published() -> None:
 
 # The driver ---------------------------------------------------------------------------------------------------------
 
-class Prepares:
-    """The real driver on a node of eight GPUs, its ResourceClaims faked, and a registry reading it."""
+class Prepares(Plugin):
+    """test_dra_driver's node of eight GPUs and faked ResourceClaims, its real driver called directly (no socket),
+    and a registry reading it."""
 
     def __init__(self, root: Path, dev_dir: str) -> None:
-        self.state = NodeState()
-        self.node = Node(self.state, n=8)
-        self.node.publish(T0)
-        self.api = FakeClaims()
-        self.cdi_dir = root / "cdi"
-        self.state_dir = root / "state"
-        self.driver = Driver(self.state, self.api, NODE, self.cdi_dir, self.state_dir, dev_dir)
+        super().__init__(root, root, dev_dir)
+        self.driver: Driver = Driver(self.state, self.api, NODE, self.cdi_dir, self.state_dir, dev_dir)
         self.registry = build_registry(Sources(self.state, claims=self.driver), process=False)
 
     def claim(self, name: str, results: list[dict[str, Any]] | None) -> ClaimRef:
@@ -327,12 +322,7 @@ def shape(text: str) -> str:
 def test_device_plugin_mode_exposes_exactly_what_it_did_before_dra_metrics(tmp_path: Path) -> None:
     """Every outlet on (reporter, correlator, NVML), as written before DRA mode had series of its own
     (device_plugin_exposition.txt); a change here is a change operators' dashboards see, so it is made on purpose."""
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "c",
-        "clusters": [{"name": "c", "cluster": {"server": "http://127.0.0.1:9"}}],
-        "users": [{"name": "u", "user": {"token": "t"}}],
-        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", "http://127.0.0.1:9")
     cfg = Config(backend="simulated", device_plugin_dir=tmp_path / "dp", state_dir=tmp_path / "state",
                  dev_root=tmp_path, metrics_address="127.0.0.1:0", node_name="n1", kubeconfig=kubeconfig)
     app = App(cfg, NvmlBackend(eight_gpu_node()))
