@@ -10,6 +10,7 @@ Failures of one claim are that claim's error in the answer, never the call's: th
 its own. Only a request that is malformed as a whole (an empty UID, a UID that is not a UUID) fails the call, with
 INVALID_ARGUMENT, and a checkpoint that cannot be read fails every call with UNAVAILABLE until it can: answering
 without knowing what was prepared could prepare a GPU twice or forget one, and saving would overwrite the file.
+Every claim's answer is counted for the metrics under a closed set of results (``Result``), never its message.
 """
 
 from __future__ import annotations
@@ -217,12 +218,11 @@ class Driver:
         """Claims by (operation, result) since the start, every possible pair included."""
         return self._results.counts()
 
-    def _begin(self, operation: str, claims: Sequence[ClaimRef]) -> None:
-        """Check the request and read the checkpoint unless done, counting every claim of a call refused whole.
-        Called under the lock."""
+    def _whole(self, operation: str, claims: Sequence[ClaimRef], step: Callable[[], None]) -> None:
+        """Run ``step`` (the request's check, or the checkpoint's read under the lock), counting every claim of a
+        call it refuses whole."""
         try:
-            check_request(claims)
-            self._load()
+            step()
         except RequestError:
             self._results.add(operation, Result.INVALID_REQUEST, len(claims))
             raise
@@ -246,9 +246,10 @@ class Driver:
     def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, PrepareResult]:
         """Results by claim UID. Raises ``RequestError`` for a malformed request and ``Unavailable`` while the
         checkpoint cannot be read."""
+        self._whole(PREPARE, claims, lambda: check_request(claims))  # before the lock: a bad call waits for nothing
         out: dict[str, PrepareResult] = {}
         with self._lock:
-            self._begin(PREPARE, claims)
+            self._whole(PREPARE, claims, self._load)
             for c in claims:
                 try:
                     out[c.uid] = PrepareResult(devices=self._prepare_one(c))
@@ -365,9 +366,10 @@ class Driver:
     def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, str]:
         """The error of each claim by UID, empty on success. Raises ``RequestError`` for a malformed request and
         ``Unavailable`` while the checkpoint cannot be read."""
+        self._whole(UNPREPARE, claims, lambda: check_request(claims))  # before the lock: a bad call waits for nothing
         out: dict[str, str] = {}
         with self._lock:
-            self._begin(UNPREPARE, claims)
+            self._whole(UNPREPARE, claims, self._load)
             for c in claims:
                 try:
                     self._unprepare_one(c)
