@@ -254,7 +254,10 @@ def make_metrics_server(cfg: Config, state: NodeState, monitor: Monitor, backend
     from plugin.outlets.metrics import MetricsServer, Probes, Sources, build_registry
     sources = Sources(state, monitor, backend=_nvml(backend), supervisor=supervisor,
                       annotations=reporter.status if reporter is not None else None,
-                      correlation=(lambda: correlator.stats) if correlator is not None else None)
+                      correlation=(lambda: correlator.stats) if correlator is not None else None,
+                      registration=dra, slice_writer=dra.slice_writer.status if dra is not None else None,
+                      claims=dra.driver if dra is not None else None,
+                      health_streams=dra.server if dra is not None else None)
     probes = Probes(monitor, supervisor if supervisor is not None else dra, cfg.stall_threshold,
                     clock=monitor.clock)
     return MetricsServer(cfg.metrics_address, build_registry(sources), probes)

@@ -103,3 +103,13 @@ def short_socket_dir() -> Iterator[Path]:
 
     with tempfile.TemporaryDirectory(prefix="ghdp-") as d:
         yield Path(d)
+
+
+def write_kubeconfig(path: Path, server: str) -> Path:
+    """A kubeconfig naming one API server and a token: enough to build the client, which dials only on a request."""
+    path.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": server}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
+    return path

@@ -10,6 +10,7 @@ Failures of one claim are that claim's error in the answer, never the call's: th
 its own. Only a request that is malformed as a whole (an empty UID, a UID that is not a UUID) fails the call, with
 INVALID_ARGUMENT, and a checkpoint that cannot be read fails every call with UNAVAILABLE until it can: answering
 without knowing what was prepared could prepare a GPU twice or forget one, and saving would overwrite the file.
+Every claim's answer is counted for the metrics under a closed set of results (``Result``), never its message.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -74,8 +76,57 @@ class Unavailable(Exception):
     """The call cannot be answered now (the checkpoint cannot be read); the kubelet retries it."""
 
 
+class Result(StrEnum):
+    """What one claim's prepare or unprepare came to, as the metrics count it: a closed set, one member per kind of
+    error the driver answers a claim with (docs/observability.md lists them), never the message itself."""
+
+    OK = "ok"
+    CLAIM_NOT_FOUND = "claim-not-found"  # no such claim (404), or one of that name with another UID
+    API_ERROR = "api-error"  # any other failure reading the ResourceClaim
+    NOT_ALLOCATED = "not-allocated"  # no allocation yet, or an allocation result without a device or request name
+    NOT_OURS = "not-ours"  # no device of this driver's pool allocated, or a device name that is no GPU of the node
+    NOT_ALLOCATABLE = "not-allocatable"  # the device is not allocatable now (its health, the claim's tolerations)
+    CDI_ERROR = "cdi-error"  # the CDI spec could not be written or removed
+    CHECKPOINT_ERROR = "checkpoint-error"  # the checkpoint could not be written
+    # The call was refused whole, so every claim in it is counted under these: INVALID_ARGUMENT, and UNAVAILABLE
+    # while the checkpoint cannot be read.
+    INVALID_REQUEST = "invalid-request"
+    UNAVAILABLE = "unavailable"
+
+
+PREPARE = "prepare"
+UNPREPARE = "unprepare"
+# The results each operation can have: all of them are exported from the start, at 0 until they happen.
+RESULTS: dict[str, tuple[Result, ...]] = {
+    PREPARE: tuple(Result),
+    UNPREPARE: (Result.OK, Result.CDI_ERROR, Result.CHECKPOINT_ERROR, Result.INVALID_REQUEST, Result.UNAVAILABLE),
+}
+
+
+class ResultCounts:
+    """Claims by (operation, result). Its own lock, not the driver's: a scrape must never wait for a prepare that
+    is reading the API server."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = {(op, r.value): 0 for op, results in RESULTS.items() for r in results}
+
+    def add(self, operation: str, result: Result, n: int = 1) -> None:
+        key = (operation, result.value)
+        if key not in self._counts:
+            raise ValueError(f"{operation} has no result {result.value!r}")  # a new error path left out of RESULTS
+        with self._lock:
+            self._counts[key] += n
+
+    def counts(self) -> dict[tuple[str, str], int]:
+        with self._lock:
+            return dict(self._counts)
+
+
 class _ClaimError(Exception):
-    pass
+    def __init__(self, result: Result, message: str) -> None:
+        super().__init__(message)
+        self.result = result
 
 
 def check_request(claims: Sequence[ClaimRef]) -> None:
@@ -142,6 +193,7 @@ class Driver:
         self._lock = threading.Lock()
         self._prepared: dict[str, PreparedClaim] = {}
         self._loaded = False
+        self._results = ResultCounts()
         # A newer version (CheckpointTooNew) refuses the start from here; a read error waits for the calls.
         try:
             self._prepared = self._checkpoint.load()
@@ -153,6 +205,30 @@ class Driver:
     def prepared(self) -> dict[str, PreparedClaim]:
         with self._lock:
             return dict(self._prepared)
+
+    # What the metrics read (plugin/outlets/metrics/sources.py: ClaimCounters) ---------------------------------------
+
+    @property
+    def prepared_claims(self) -> int:
+        # Without the lock, which a prepare holds while it reads the API server: the dict is only ever replaced or
+        # given one key under it, and its length is read in one step.
+        return len(self._prepared)
+
+    def result_counts(self) -> dict[tuple[str, str], int]:
+        """Claims by (operation, result) since the start, every possible pair included."""
+        return self._results.counts()
+
+    def _whole(self, operation: str, claims: Sequence[ClaimRef], step: Callable[[], None]) -> None:
+        """Run ``step`` (the request's check, or the checkpoint's read under the lock), counting every claim of a
+        call it refuses whole."""
+        try:
+            step()
+        except RequestError:
+            self._results.add(operation, Result.INVALID_REQUEST, len(claims))
+            raise
+        except Unavailable:
+            self._results.add(operation, Result.UNAVAILABLE, len(claims))
+            raise
 
     def _load(self) -> None:
         """Read the checkpoint unless done; Unavailable while it cannot be. Called under the lock."""
@@ -170,16 +246,19 @@ class Driver:
     def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, PrepareResult]:
         """Results by claim UID. Raises ``RequestError`` for a malformed request and ``Unavailable`` while the
         checkpoint cannot be read."""
-        check_request(claims)
+        self._whole(PREPARE, claims, lambda: check_request(claims))  # before the lock: a bad call waits for nothing
         out: dict[str, PrepareResult] = {}
         with self._lock:
-            self._load()
+            self._whole(PREPARE, claims, self._load)
             for c in claims:
                 try:
                     out[c.uid] = PrepareResult(devices=self._prepare_one(c))
+                    result = Result.OK
                 except _ClaimError as exc:
                     log.warning("prepare of ResourceClaim %s/%s (%s) failed: %s", c.namespace, c.name, c.uid, exc)
                     out[c.uid] = PrepareResult(error=str(exc))
+                    result = exc.result
+                self._results.add(PREPARE, result)
         return out
 
     def _prepare_one(self, c: ClaimRef) -> tuple[PreparedDevice, ...]:
@@ -198,7 +277,8 @@ class Driver:
             # Without the record an unprepare after a restart still removes the spec (it goes by UID), but a
             # spec no answer named is garbage: take it back.
             self._remove_spec(c.uid)
-            raise _ClaimError(f"cannot write the checkpoint {self._checkpoint.path}: {exc}") from None
+            raise _ClaimError(Result.CHECKPOINT_ERROR,
+                              f"cannot write the checkpoint {self._checkpoint.path}: {exc}") from None
         self._prepared[c.uid] = record
         log.info("prepared ResourceClaim %s/%s (%s): %s", c.namespace, c.name, c.uid,
                  ", ".join(f"{d.device} ({d.uuid})" for d in devices))
@@ -208,17 +288,19 @@ class Driver:
         try:
             claim = self._api.get_resource_claim(c.namespace, c.name)
         except ApiFailure as exc:
-            raise _ClaimError(f"cannot read ResourceClaim {c.namespace}/{c.name}: {exc}") from None
+            result = Result.CLAIM_NOT_FOUND if exc.status == 404 else Result.API_ERROR
+            raise _ClaimError(result, f"cannot read ResourceClaim {c.namespace}/{c.name}: {exc}") from None
         got = _get(claim, "metadata.uid")
         if got != c.uid:
-            raise _ClaimError(f"ResourceClaim {c.namespace}/{c.name} has uid {got!r}, not {c.uid!r}: the claim "
+            raise _ClaimError(Result.CLAIM_NOT_FOUND,
+                              f"ResourceClaim {c.namespace}/{c.name} has uid {got!r}, not {c.uid!r}: the claim "
                               f"the kubelet asks for is gone (deleted and created again?)")
         return claim
 
     def _allocated(self, c: ClaimRef, claim: dict[str, Any]) -> tuple[PreparedDevice, ...]:
         what = f"ResourceClaim {c.namespace}/{c.name}"
         if not isinstance(_get(claim, "status.allocation"), dict):
-            raise _ClaimError(f"{what} is not allocated")
+            raise _ClaimError(Result.NOT_ALLOCATED, f"{what} is not allocated")
         results = _get(claim, "status.allocation.devices.results")
         if not isinstance(results, list):
             results = []
@@ -231,7 +313,8 @@ class Driver:
                 continue
             device, request = r.get("device"), r.get("request")
             if not isinstance(device, str) or not device or not isinstance(request, str):
-                raise _ClaimError(f"{what}: status.allocation.devices.results[{i}] has no device or request name")
+                raise _ClaimError(Result.NOT_ALLOCATED,
+                                  f"{what}: status.allocation.devices.results[{i}] has no device or request name")
             names = requests.setdefault(device, [])
             if request not in names:
                 names.append(request)
@@ -239,17 +322,19 @@ class Driver:
             tolerations.setdefault(device, []).append(
                 [t for t in tolerated if isinstance(t, dict)] if isinstance(tolerated, list) else [])
         if not requests:
-            raise _ClaimError(f"{what} has no device of driver {self.driver_name} in pool {self.pool} allocated")
+            raise _ClaimError(Result.NOT_OURS,
+                              f"{what} has no device of driver {self.driver_name} in pool {self.pool} allocated")
         by_name = self._devices_by_name()
         settings = self._slice_settings()
         out: list[PreparedDevice] = []
         for device, names in requests.items():
             status = by_name.get(device)
             if status is None:
-                raise _ClaimError(f"{what}: device {device!r} is not a GPU of node {self.node_name}")
+                raise _ClaimError(Result.NOT_OURS, f"{what}: device {device!r} is not a GPU of node {self.node_name}")
             # Every request holding the device must be one the scheduler could give it to now.
             if not self.allow_unhealthy and not all(allocatable(status, settings, t) for t in tolerations[device]):
-                raise _ClaimError(f"{what}: device {device!r} ({status.gpu.uuid}) is {status.state.value} "
+                raise _ClaimError(Result.NOT_ALLOCATABLE,
+                                  f"{what}: device {device!r} ({status.gpu.uuid}) is {status.state.value} "
                                   f"({_why(status)}); {_not_allocatable(status, settings)}; refusing to prepare it")
             out.append(PreparedDevice(request_names=tuple(names), pool=self.pool, device=device,
                                       uuid=status.gpu.uuid, minor=status.gpu.dev_minor,
@@ -268,7 +353,7 @@ class Driver:
         try:
             cdi.write_spec(self.cdi_dir, uid, spec, self.driver_name)
         except OSError as exc:
-            raise _ClaimError(f"cannot write the CDI spec to {self.cdi_dir}: {exc}") from None
+            raise _ClaimError(Result.CDI_ERROR, f"cannot write the CDI spec to {self.cdi_dir}: {exc}") from None
 
     def _remove_spec(self, uid: str) -> None:
         try:
@@ -281,31 +366,37 @@ class Driver:
     def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, str]:
         """The error of each claim by UID, empty on success. Raises ``RequestError`` for a malformed request and
         ``Unavailable`` while the checkpoint cannot be read."""
-        check_request(claims)
+        self._whole(UNPREPARE, claims, lambda: check_request(claims))  # before the lock: a bad call waits for nothing
         out: dict[str, str] = {}
         with self._lock:
-            self._load()
+            self._whole(UNPREPARE, claims, self._load)
             for c in claims:
-                out[c.uid] = self._unprepare_one(c)
+                try:
+                    self._unprepare_one(c)
+                    out[c.uid], result = "", Result.OK
+                except _ClaimError as exc:
+                    out[c.uid], result = str(exc), exc.result
+                self._results.add(UNPREPARE, result)
         return out
 
-    def _unprepare_one(self, c: ClaimRef) -> str:
+    def _unprepare_one(self, c: ClaimRef) -> None:
         # The spec goes by UID whether or not the checkpoint knows the claim: a crash between writing the spec
         # and the checkpoint leaves exactly that case.
         try:
             cdi.remove_spec(self.cdi_dir, c.uid, self.driver_name)
         except OSError as exc:
-            return f"cannot remove the CDI spec of ResourceClaim {c.namespace}/{c.name}: {exc}"
+            raise _ClaimError(Result.CDI_ERROR, f"cannot remove the CDI spec of ResourceClaim "
+                                                f"{c.namespace}/{c.name}: {exc}") from None
         if c.uid not in self._prepared:
-            return ""
+            return
         rest = {uid: p for uid, p in self._prepared.items() if uid != c.uid}
         try:
             self._checkpoint.save(rest)
         except OSError as exc:
-            return f"cannot write the checkpoint {self._checkpoint.path}: {exc}"
+            raise _ClaimError(Result.CHECKPOINT_ERROR,
+                              f"cannot write the checkpoint {self._checkpoint.path}: {exc}") from None
         self._prepared = rest
         log.info("unprepared ResourceClaim %s/%s (%s)", c.namespace, c.name, c.uid)
-        return ""
 
 
 # gRPC ---------------------------------------------------------------------------------------------------------------

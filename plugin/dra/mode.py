@@ -83,7 +83,7 @@ class DraMode:
         self.server.stop(grace_s=min(timeout_s, 0.5))
         self._claims.close()
 
-    # What the probes and metrics read (plugin/outlets/metrics/sources.py: SupervisorLoop) ---------------------
+    # What the probes and metrics read (plugin/outlets/metrics/sources.py: SupervisorLoop, RegistrationHolder) ---
 
     @property
     def record(self) -> _Record:

@@ -149,6 +149,12 @@ class DraServer:
         return DraStatus(serving=serving, registered=counts.registered and serving,
                          registrations=counts.registrations, last_error=error, recreated=recreated)
 
+    @property
+    def health_streams(self) -> int:
+        """Open health streams (the kubelet keeps one while it watches device health), for the metrics."""
+        health = self.health  # read once: the audit replaces it when it serves the socket afresh
+        return health.active_streams if health is not None else 0
+
     # Serving ------------------------------------------------------------------------------------------------------
 
     def _confirm(self, what: str, path: Path) -> None:

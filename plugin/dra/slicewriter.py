@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
 from plugin.backoff import Backoff
 from plugin.devices.model import Gpu
@@ -63,6 +63,9 @@ class SliceWriterStatus(WriterStatus):
     GETs."""
 
     taints_published: bool = True  # false once the API server was seen dropping our device taints
+    # Every kind ``failures_by_kind`` can hold, so the metrics show each at 0 before its first failure. A label
+    # value each: no spaces.
+    failure_kinds: ClassVar[tuple[str, ...]] = ("client", "read", "write", "not-served")
 
 
 class _NotServed(Exception):
@@ -102,7 +105,7 @@ class SliceWriter(PacedWriter[SliceWriterStatus, SliceApi], OutletThread):
         # Not a passing fault: DRA is off on the cluster (or it is older than 1.34). Asking at the cap still picks
         # it up without a restart once someone turns it on, and one line says it all, not one per attempt.
         delay = self._sched.failed(now, self._backoff.maximum)
-        self._count_failure("resource.k8s.io/v1 not served", f, "not served")
+        self._count_failure("resource.k8s.io/v1 not served", f, "not-served")
         if not self._not_served_logged:
             log.error("%s: the API server does not serve resource.k8s.io/v1 ResourceSlices (%s): DRA is off on "
                       "this cluster or it is older than 1.34; the node's GPUs are not published to DRA; asking "

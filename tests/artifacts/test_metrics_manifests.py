@@ -26,6 +26,7 @@ from plugin.outlets.correlation import CorrelationStats
 from plugin.outlets.metrics import Sources, build_registry
 from plugin.outlets.reporter import ReporterStatus
 from tests.fakes.fake_pynvml import eight_gpu_node
+from tests.unit.test_metrics_dra import idle_dra_mode
 
 REPO = Path(__file__).resolve().parents[2]
 RULES = REPO / "manifests" / "alerts" / "prometheusrule.yaml"
@@ -40,8 +41,10 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
     monitor = Monitor(backend, state, HealthConfig(), 5.0, threading.Event())
     tmp = tmp_path_factory.mktemp("m")
     sup = Supervisor(tmp / "dp", [WholeGpus()], state, AllocationConfig(dev_root=tmp), threading.Event())
+    dra = idle_dra_mode(state, tmp)  # DRA mode's series too: the App runs one mode, the manifests serve both
     registry = build_registry(Sources(state, monitor, backend, sup, annotations=lambda: ReporterStatus(node="n"),
-                                      correlation=CorrelationStats))
+                                      correlation=CorrelationStats, slice_writer=dra.slice_writer.status,
+                                      claims=dra.driver, health_streams=dra.server))
     # Labelled counters have no series until something happened: make a transition and an XID happen.
     monitor.poll_once()
     monitor.handle_events([GpuEvent("GPU-fake-0", "xid", 79, 0.0)])

@@ -1,10 +1,10 @@
 """The App in DRA mode, wired as ``run`` wires it: the DRA driver instead of the device-plugin supervisor, /readyz
 true only once the kubelet took the registration, the health stream fed by the real monitor, and an API server that
-cannot be reached costing a per-claim error, never the process. The kubelet is played by grpc clients."""
+cannot be reached costing a per-claim error, never the process, and all of it on /metrics. The kubelet is played by
+grpc clients."""
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from api.dra.v1 import api_pb2 as dra_pb2
 from api.dra.v1 import api_pb2_grpc as dra_grpc
@@ -25,7 +26,8 @@ from api.pluginregistration.v1 import api_pb2 as reg_pb2
 from api.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from plugin.app import App
 from plugin.config import load
-from tests.conftest import NodeFile
+from tests.conftest import NodeFile, write_kubeconfig
+from tests.integration.test_dra_server import poll
 
 DRIVER = "gpu.gpu-health.io"
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,6 +37,13 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _metrics(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    status, body = _probe(port, "/metrics")
+    assert status == 200
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(body) for s in fam.samples}
 
 
 def _probe(port: int, path: str) -> tuple[int, str]:
@@ -50,12 +59,7 @@ def app(short_socket_dir: Path, dev_root: Path) -> Iterator[tuple[App, int, Node
     root = short_socket_dir
     node = NodeFile(root / "node.json")
     # An API server nobody listens on: the slice writer and the claim reads fail and back off.
-    kubeconfig = root / "kubeconfig"
-    kubeconfig.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "c",
-        "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{_free_port()}"}}],
-        "users": [{"name": "u", "user": {"token": "t"}}],
-        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
+    kubeconfig = write_kubeconfig(root / "kubeconfig", f"http://127.0.0.1:{_free_port()}")
     port = _free_port()
     flags = {"mode": "dra", "backend": "simulated", "simulated_node": str(node.path), "node_name": "gpu-node-1",
              "kubeconfig": str(kubeconfig), "state_dir": str(root / "state"), "dev_root": str(dev_root),
@@ -100,6 +104,7 @@ def test_dra_mode_serves_the_kubelet_through_dra_only_and_is_ready_once_register
                 assert got["gpu-3"].message.startswith("xid-79"), got["gpu-3"].message
                 assert got["gpu-2"].health == h_pb2.HEALTHY
                 break
+        assert _metrics(port)[("gpu_health_dra_health_streams", ())] == 1
         stream.cancel()
         # The API server is unreachable: the claim gets an error of its own naming it; the process serves on.
         uid = "3c9e7f1a-2b4d-4e6f-8a1c-0d2e4f6a8b0c"
@@ -108,6 +113,21 @@ def test_dra_mode_serves_the_kubelet_through_dra_only_and_is_ready_once_register
         assert resp.claims[uid].error and "c" in resp.claims[uid].error
     assert _probe(port, "/healthz")[0] == 200
 
+    # /metrics has DRA mode's series next to the node state's, in the format Prometheus parses.
+    def slice_read_failed() -> bool:
+        return _metrics(port)[("gpu_health_dra_slice_failures_total", (("kind", "read"),))] >= 1
+
+    assert poll(slice_read_failed)
+    m = _metrics(port)
+    assert m[("gpu_health_registered", ())] == 1 and m[("gpu_health_registrations_total", ())] == 1
+    assert m[("gpu_health_dra_slice_ok", ())] == 0 and m[("gpu_health_dra_slice_writes_total", ())] == 0
+    assert m[("gpu_health_dra_slice_last_error_timestamp_seconds", ())] > 0
+    assert m[("gpu_health_dra_claim_results_total", (("operation", "prepare"), ("result", "api-error")))] == 1
+    assert m[("gpu_health_dra_claim_results_total", (("operation", "prepare"), ("result", "ok")))] == 0
+    assert m[("gpu_health_dra_prepared_claims", ())] == 0
+    assert m[("gpu_health_dra_health_streams", ())] == 0 and m[("gpu_health_devices", ())] == 8
+    assert not any(name.startswith("gpu_health_listandwatch") for name, _ in m)  # no device-plugin servers here
+
 
 def test_a_checkpoint_from_a_newer_plugin_stops_the_start_with_one_line(short_socket_dir: Path,
                                                                         dev_root: Path) -> None:
@@ -115,12 +135,7 @@ def test_a_checkpoint_from_a_newer_plugin_stops_the_start_with_one_line(short_so
     its version, and the file stays as it was."""
     root = short_socket_dir
     node = NodeFile(root / "node.json")
-    kubeconfig = root / "kubeconfig"
-    kubeconfig.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "c",
-        "clusters": [{"name": "c", "cluster": {"server": "http://127.0.0.1:9"}}],
-        "users": [{"name": "u", "user": {"token": "t"}}],
-        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
+    kubeconfig = write_kubeconfig(root / "kubeconfig", "http://127.0.0.1:9")
     checkpoint = root / "state" / "dra-checkpoint.json"
     checkpoint.parent.mkdir()
     text = '{"version": 7, "claims": {}}'

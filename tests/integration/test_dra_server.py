@@ -30,7 +30,9 @@ from plugin.dra.server import DraServer
 from plugin.health.node_state import NodeState
 from plugin.health.reasons import State
 from plugin.kube.errors import ApiFailure
+from plugin.outlets.metrics import Sources, build_registry
 from tests.fakes.node_devices import Node
+from tests.unit.test_metrics import scrape, value
 
 NODE = "gpu-node-1"
 DRIVER = "gpu.gpu-health.io"
@@ -173,6 +175,29 @@ def test_health_stream_reports_all_devices_then_every_change(env: Env, version: 
     assert env.server.health is not None
     health = env.server.health
     assert poll(lambda: health.active_streams == 0)
+
+
+def test_open_health_streams_are_a_gauge_that_follows_the_served_socket(env: Env) -> None:
+    """The metric counts the streams of the socket served now: a kubelet watching with both versions is two, one
+    cancelled is one, and the streams of a socket served afresh (the old one deleted) end with it."""
+    registry = build_registry(Sources(env.state, health_streams=env.server), process=False)
+    assert value(scrape(registry), "gpu_health_dra_health_streams") == 0
+    ch1, s1 = env.kubelet.watch("v1", str(env.server.dra_path))
+    ch2, s2 = env.kubelet.watch("v1alpha1", str(env.server.dra_path))
+    with ch1, ch2:
+        next(s1), next(s2)
+        assert value(scrape(registry), "gpu_health_dra_health_streams") == 2
+        s2.cancel()
+        assert poll(lambda: value(scrape(registry), "gpu_health_dra_health_streams") == 1)
+        env.server.dra_path.unlink()
+        assert poll(lambda: env.server.dra_path.is_socket() and env.server.status().recreated == 1)
+        assert poll(lambda: value(scrape(registry), "gpu_health_dra_health_streams") == 0)
+        ch3, s3 = env.kubelet.watch("v1", str(env.server.dra_path))
+        with ch3:
+            next(s3)
+            assert value(scrape(registry), "gpu_health_dra_health_streams") == 1
+            s3.cancel()
+        s1.cancel()
 
 
 def test_degraded_as_unhealthy_reaches_the_kubelet(make_env: Callable[..., Env]) -> None:

@@ -50,6 +50,7 @@ from plugin.serve.exposition import (
 )
 from plugin.serve.process import PlatformCollector, ProcessCollector, python_info
 from tests.fakes.fake_pynvml import eight_gpu_node
+from tests.unit.test_metrics_dra import idle_dra_mode
 
 SCHEMES = (UNDERSCORES, ALLOW_UTF8, DOTS, VALUES)
 SETTINGS = settings(max_examples=400, deadline=None, derandomize=True,
@@ -210,9 +211,12 @@ def every_source(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     monitor = Monitor(backend, state, HealthConfig(), 5.0, threading.Event())
     tmp = tmp_path_factory.mktemp("m")
     sup = Supervisor(tmp / "dp", [WholeGpus()], state, AllocationConfig(dev_root=tmp), threading.Event())
+    dra = idle_dra_mode(state, tmp)  # beside the supervisor only here: the App runs one or the other
     registry = build_registry(Sources(state, monitor, backend, sup,
                                       annotations=lambda: ReporterStatus(node="n", writes=3),
-                                      correlation=lambda: CorrelationStats(evictions_blocked=2)), process=False)
+                                      correlation=lambda: CorrelationStats(evictions_blocked=2),
+                                      slice_writer=dra.slice_writer.status, claims=dra.driver,
+                                      health_streams=dra.server), process=False)
     monitor.poll_once()
     monitor.handle_events([GpuEvent("GPU-fake-0", "xid", 79, 0.0), GpuEvent("GPU-fake-1", "xid", 13, 0.0)])
     gpu = backend.discover().gpus[0]

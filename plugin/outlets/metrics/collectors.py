@@ -2,7 +2,7 @@
 registry that holds the ones whose source exists.
 
 Nothing here computes health or sits in a hot path. Every label value is bounded: device IDs, states, reason
-codes, XID numbers, resource names, results; never free text.
+codes, XID numbers, resource names, results, operations and kinds of failure; never free text.
 """
 
 from __future__ import annotations
@@ -15,12 +15,16 @@ from dataclasses import dataclass
 from plugin.health.node_state import Snapshot
 from plugin.health.reasons import State
 from plugin.outlets.metrics.sources import (
+    ClaimCounters,
     CorrelationCounters,
+    HealthStreamCount,
     MonitorStats,
     NodeHistory,
     NvmlCallCounter,
+    RegistrationHolder,
     RegistrationSource,
     ReporterCounters,
+    SliceWriterCounters,
 )
 from plugin.serve.exposition import Collector, CounterFamily, Family, GaugeFamily, Registry
 from plugin.serve.process import PlatformCollector, ProcessCollector
@@ -155,14 +159,13 @@ class MonitorCollector:
 
 
 class RegistrationCollector:
-    """The kubelet registration record, and the open ListAndWatch streams of each resource (0 while unserved)."""
+    """The kubelet registration record: the device-plugin supervisor's, or DRA mode's plugin registration."""
 
-    def __init__(self, supervisor: RegistrationSource) -> None:
-        self._supervisor = supervisor
+    def __init__(self, holder: RegistrationHolder) -> None:
+        self._holder = holder
 
     def collect(self) -> Iterable[Family]:
-        sup = self._supervisor
-        rec = sup.record
+        rec = self._holder.record
         yield GaugeFamily("gpu_health_registered", "1 while registered with the kubelet",
                           value=1.0 if rec.registered else 0.0)
         yield CounterFamily("gpu_health_registrations", "successful registrations with the kubelet",
@@ -172,6 +175,16 @@ class RegistrationCollector:
         yield GaugeFamily("gpu_health_last_registration_timestamp_seconds",
                           "when the last successful registration happened (unix seconds; 0: never)",
                           value=rec.last_registered_at)
+
+
+class ListAndWatchCollector:
+    """The open ListAndWatch streams of each resource the supervisor serves (0 while unserved)."""
+
+    def __init__(self, supervisor: RegistrationSource) -> None:
+        self._supervisor = supervisor
+
+    def collect(self) -> Iterable[Family]:
+        sup = self._supervisor
         streams = GaugeFamily("gpu_health_listandwatch_streams", "open ListAndWatch streams",
                               labels=["resource"])
         by_resource: dict[str, int] = {r.name: 0 for r in sup.resources}
@@ -237,12 +250,77 @@ class CorrelationCollector:
         yield ev
 
 
+class SliceWriterCollector:
+    """DRA mode's ResourceSlice writer, as the reporter's requests are exported: successes, failures by kind (each
+    kind at 0 before its first), conflicts, and whether the last attempt failed and when one last did."""
+
+    def __init__(self, status: Callable[[], SliceWriterCounters]) -> None:
+        self._status = status
+
+    def collect(self) -> Iterable[Family]:
+        s = self._status()
+        yield from _counters(
+            ("gpu_health_dra_slice_writes", "creates, updates and deletes of the node's ResourceSlice that succeeded",
+             s.writes),
+            ("gpu_health_dra_slice_reads", "reads of the node's ResourceSlice (and its Node) that succeeded",
+             s.reads),
+            ("gpu_health_dra_slice_conflicts",
+             "ResourceSlice writes refused because the slice had changed (409), answered by a re-read", s.conflicts),
+        )
+        failures = CounterFamily("gpu_health_dra_slice_failures",
+                                 "failed ResourceSlice requests by kind (client: building the API client, read, "
+                                 "write, not-served: the API server does not serve resource.k8s.io/v1)",
+                                 labels=["kind"])
+        by_kind = {label_code(k): 0 for k in s.failure_kinds}
+        for kind, n in s.failures_by_kind.items():
+            by_kind[label_code(kind)] = by_kind.get(label_code(kind), 0) + n
+        for kind, n in by_kind.items():
+            failures.add_metric([kind], n)
+        yield failures
+        yield GaugeFamily("gpu_health_dra_slice_ok", "0 while the ResourceSlice writer's last attempt failed",
+                          value=1.0 if s.ok else 0.0)
+        yield GaugeFamily("gpu_health_dra_slice_last_error_timestamp_seconds",
+                          "when a ResourceSlice request last failed (unix seconds; 0: never)",
+                          value=s.last_error_at or 0.0)
+        yield GaugeFamily("gpu_health_dra_slice_taints_published",
+                          "1 while device taints are published in the ResourceSlice, 0 once the API server was "
+                          "seen dropping them (DRADeviceTaints off)", value=1.0 if s.taints_published else 0.0)
+
+
+class ClaimCollector:
+    """DRA mode's driver: the claims prepared on the node, and each claim's prepare and unprepare by result."""
+
+    def __init__(self, driver: ClaimCounters) -> None:
+        self._driver = driver
+
+    def collect(self) -> Iterable[Family]:
+        yield GaugeFamily("gpu_health_dra_prepared_claims", "ResourceClaims prepared on this node (the checkpoint)",
+                          value=self._driver.prepared_claims)
+        results = CounterFamily("gpu_health_dra_claim_results",
+                                "claims the kubelet asked to prepare or unprepare, by operation and result (ok, "
+                                "or the kind of error the claim was answered with)", labels=["operation", "result"])
+        for (operation, result), n in self._driver.result_counts().items():
+            results.add_metric([label_code(operation), label_code(result)], n)
+        yield results
+
+
+class HealthStreamCollector:
+    """DRA mode's health stream: how many kubelet watches are open."""
+
+    def __init__(self, server: HealthStreamCount) -> None:
+        self._server = server
+
+    def collect(self) -> Iterable[Family]:
+        yield GaugeFamily("gpu_health_dra_health_streams", "open DRAResourceHealth NodeWatchResources streams",
+                          value=self._server.health_streams)
+
+
 @dataclass(frozen=True)
 class Sources:
     """Where the numbers come from. Everything but the node state is optional, so each outlet can be off; a
     source that is None gets no collector, and so no series (NVML call errors excepted: see
-    :class:`NvmlErrorCollector`). The reporter's status and the correlator's counters are read through a call at
-    every scrape."""
+    :class:`NvmlErrorCollector`). The reporter's status, the correlator's counters and the slice writer's status are
+    read through a call at every scrape."""
 
     state: NodeHistory
     monitor: MonitorStats | None = None
@@ -250,6 +328,11 @@ class Sources:
     supervisor: RegistrationSource | None = None
     annotations: Callable[[], ReporterCounters] | None = None  # the cluster reporter's status
     correlation: Callable[[], CorrelationCounters] | None = None
+    # DRA mode's parts, all None in device-plugin mode, whose series then stay exactly what they were.
+    registration: RegistrationHolder | None = None  # DRA mode's registration record (the supervisor has its own)
+    slice_writer: Callable[[], SliceWriterCounters] | None = None  # the ResourceSlice writer's status
+    claims: ClaimCounters | None = None  # the DRA driver
+    health_streams: HealthStreamCount | None = None  # the DRA server
 
 
 def collectors(sources: Sources) -> list[Collector]:
@@ -259,7 +342,15 @@ def collectors(sources: Sources) -> list[Collector]:
     if sources.monitor is not None:
         out.append(MonitorCollector(sources.monitor))
     if sources.supervisor is not None:
-        out.append(RegistrationCollector(sources.supervisor))
+        out += [RegistrationCollector(sources.supervisor), ListAndWatchCollector(sources.supervisor)]
+    if sources.registration is not None:
+        out.append(RegistrationCollector(sources.registration))
+    if sources.slice_writer is not None:
+        out.append(SliceWriterCollector(sources.slice_writer))
+    if sources.claims is not None:
+        out.append(ClaimCollector(sources.claims))
+    if sources.health_streams is not None:
+        out.append(HealthStreamCollector(sources.health_streams))
     if sources.annotations is not None:
         out.append(ReportingCollector(sources.annotations))
     if sources.correlation is not None:

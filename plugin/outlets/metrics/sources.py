@@ -1,7 +1,8 @@
 """What the metrics outlet reads: one narrow protocol per source, each only what a collector or a probe uses.
 
-The plugin's real objects (the node state, the monitor, the NVML backend, the supervisor, the reporter's status and
-the correlator's counters) satisfy these structurally; ``plugin.app`` passes them, so the type checker proves it
+The plugin's real objects (the node state, the monitor, the NVML backend, the supervisor, the reporter's status,
+the correlator's counters, and in DRA mode the slice writer's status, the driver and its server) satisfy these
+structurally; ``plugin.app`` passes them, so the type checker proves it
 there. Everything is read-only: nothing here may change what it reads.
 """
 
@@ -101,11 +102,15 @@ class ServedResource(Protocol):
     def servicer(self) -> StreamCount: ...
 
 
-class RegistrationSource(Protocol):
-    """The supervisor as the registration collector sees it: the record, the resources and the servers now."""
+class RegistrationHolder(Protocol):
+    """Whatever keeps the kubelet registration record: the device-plugin supervisor, or DRA mode."""
 
     @property
     def record(self) -> RegistrationRecordView: ...
+
+
+class RegistrationSource(RegistrationHolder, Protocol):
+    """The supervisor as the registration collectors see it: the record, the resources and the servers now."""
 
     @property
     def resources(self) -> Sequence[Named]: ...
@@ -114,11 +119,8 @@ class RegistrationSource(Protocol):
     def servers(self) -> Sequence[ServedResource]: ...
 
 
-class SupervisorLoop(Protocol):
+class SupervisorLoop(RegistrationHolder, Protocol):
     """The supervisor as the probes see it: whether its loop died, and the registration record."""
-
-    @property
-    def record(self) -> RegistrationRecordView: ...
 
     def failure(self) -> str | None: ...
 
@@ -177,3 +179,51 @@ class CorrelationCounters(Protocol):
 
     @property
     def evictions_failed(self) -> int: ...
+
+
+# DRA mode ---------------------------------------------------------------------------------------------------------
+
+class SliceWriterCounters(Protocol):
+    """The ResourceSlice writer's status (DRA mode): its requests, whether its last attempt failed and when one
+    last did, and every kind of failure it can count."""
+
+    @property
+    def ok(self) -> bool: ...
+
+    @property
+    def last_error_at(self) -> float | None: ...
+
+    @property
+    def writes(self) -> int: ...
+
+    @property
+    def reads(self) -> int: ...
+
+    @property
+    def conflicts(self) -> int: ...
+
+    @property
+    def failures_by_kind(self) -> Mapping[str, int]: ...
+
+    @property
+    def failure_kinds(self) -> Sequence[str]: ...
+
+    @property
+    def taints_published(self) -> bool: ...
+
+
+class ClaimCounters(Protocol):
+    """The DRA driver: the claims prepared now, and every claim's prepare or unprepare by (operation, result),
+    each possible pair present from the start."""
+
+    @property
+    def prepared_claims(self) -> int: ...
+
+    def result_counts(self) -> Mapping[tuple[str, str], int]: ...
+
+
+class HealthStreamCount(Protocol):
+    """The DRA server: its open DRAResourceHealth streams."""
+
+    @property
+    def health_streams(self) -> int: ...
