@@ -37,7 +37,10 @@ ConfigError = FieldError
 def positive_float(v: Any) -> float:
     if isinstance(v, bool):
         raise ValueError(f"expected a number, got {v!r}")
-    f = float(v)
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        raise ValueError(f"expected a number, got {v!r}") from None
     if not f > 0 or f != f or f == float("inf"):
         raise ValueError(f"must be a positive number, got {v!r}")
     return f

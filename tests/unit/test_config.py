@@ -232,3 +232,15 @@ def test_cli_exits_2_on_dra_mode_without_a_node_name() -> None:
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().endswith("--node-name: --mode dra needs this node's name: its ResourceSlice and claims "
                                      "are looked up by it")
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    ({"poll_interval": "fast"}, "--poll-interval: expected a number, got 'fast'"),
+    ({"poll_interval": "inf"}, "--poll-interval: must be a positive number, got 'inf'"),
+    ({"report_debounce": [1]}, "--report-debounce: expected a number, got [1]"),
+])
+def test_a_value_that_is_no_number_says_so_in_the_users_words(flags: dict[str, object], message: str) -> None:
+    # Not Python's "could not convert string to float": the line names the option and what it wanted.
+    with pytest.raises(ConfigError) as err:
+        load(flags, {}, None)
+    assert str(err.value) == message
