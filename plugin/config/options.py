@@ -189,6 +189,23 @@ class Config:
     dra_degraded_taint: bool = field(default=True, metadata=spec(
         parse_bool, "DRA mode: put a taint with no effect (it only informs) carrying the reason on a Degraded device; "
         "when health.kubeletHealth maps Degraded to Unhealthy it gets a NoSchedule taint whatever this says"))
+    # NVSentinel interop (docs/nvsentinel.md): our health into its platform connector and its device API, and other
+    # providers' GPU conditions from that API into our engine. All off unless a socket is named.
+    nvsentinel_socket: Path | None = field(default=None, metadata=spec(
+        optional_path, "unix socket of NVSentinel's platform connector (theirs listens on /var/run/nvsentinel.sock); "
+        "set, every device transition is sent there as a health event", "PATH"))
+    nvsentinel_store_only: bool = field(default=False, metadata=spec(
+        parse_bool, "mark the health events sent to NVSentinel STORE_ONLY (their shadow mode: kept and exported, "
+        "never acted on)"))
+    device_api_socket: Path | None = field(default=None, metadata=spec(
+        optional_path, "unix socket of NVSentinel's device API server (theirs listens on "
+        "/var/run/device-api/device.sock); --device-api-provide and --device-api-consume use it", "PATH"))
+    device_api_provide: bool = field(default=False, metadata=spec(
+        parse_bool, "publish every GPU and its health (state, reason, recommended action) to the device API, "
+        "only on change"))
+    device_api_consume: bool = field(default=False, metadata=spec(
+        parse_bool, "watch the device API and take a condition another provider sets on one of our GPUs as a "
+        "reason (code external-<type>)"))
     # The file-only sections, and where each option's value came from.
     health: HealthConfig = field(default_factory=HealthConfig)
     sharing: SharingConfig = field(default_factory=SharingConfig)

@@ -30,6 +30,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("kubelet", ("plugin.kubelet",)),
     ("outlets", ("plugin.outlets",)),
     ("dra", ("plugin.dra",)),
+    ("nvsentinel", ("plugin.nvsentinel",)),
     ("config", ("plugin.config",)),
     ("controller", ("plugin.controller",)),
     ("app", ("plugin.app", "plugin.startup", "plugin.devtools")),
@@ -59,12 +60,16 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "outlets": _BELOW_KUBELET | _INFRA | {"schema"},
     # DRA mode serves the kubelet (a kubelet-side job) from what the outlets know of slices and claims.
     "dra": _BELOW_KUBELET | _INFRA | {"schema", "kubelet", "outlets"},
+    # NVSentinel interop: our transitions out (health events, device API status) on the outlets' worker thread, and
+    # other providers' GPU conditions in, handed to the health engine through a Protocol app.py satisfies.
+    "nvsentinel": _BELOW_KUBELET | _INFRA | {"schema", "outlets"},
     "config": _BELOW_KUBELET | {"sharing", "options"},
     # The fleet controller is a program of its own beside the node agent: the shared infrastructure, the reason
     # names of health and the annotation codec, nothing of the agent's kubelet side, outlets, DRA mode, config or app.
     "controller": _BELOW_KUBELET | _INFRA | {"schema"},
-    "app": _BELOW_KUBELET | _INFRA | {"sharing", "schema", "kubelet", "outlets", "dra", "config"},
-    "cli": _BELOW_KUBELET | _INFRA | {"sharing", "schema", "kubelet", "outlets", "dra", "config", "app", "controller"},
+    "app": _BELOW_KUBELET | _INFRA | {"sharing", "schema", "kubelet", "outlets", "dra", "nvsentinel", "config"},
+    "cli": _BELOW_KUBELET | _INFRA | {"sharing", "schema", "kubelet", "outlets", "dra", "nvsentinel", "config", "app",
+                                      "controller"},
 }
 
 
