@@ -37,6 +37,8 @@ VARIANTS = {
     "remediation": MANIFESTS / "overlays" / "remediation",
     "surge-upgrade": MANIFESTS / "overlays" / "surge-upgrade",
     "metrics-network-policy": MANIFESTS / "overlays" / "metrics-network-policy",
+    "nvsentinel": MANIFESTS / "overlays" / "nvsentinel",
+    "device-api": MANIFESTS / "overlays" / "device-api",
 }
 # The oldest release the manifests support (ValidatingAdmissionPolicy v1, node name in Pod-bound tokens) and the
 # release of the conformance API server.
@@ -300,6 +302,14 @@ def _plugin_config(objs: list[dict[str, Any]], tmp_path: Path) -> tuple[config_m
     return config_mod.load(flags, env, local), list(mounts.values())
 
 
+def _host_dir(objs: list[dict[str, Any]], mount_path: Path) -> str:
+    """The host directory the DaemonSet mounts at ``mount_path``."""
+    ds = find(objs, "DaemonSet", NAME)
+    name = next(m["name"] for m in container(ds)["volumeMounts"] if m["mountPath"] == str(mount_path))
+    vol = next(v for v in ds["spec"]["template"]["spec"]["volumes"] if v["name"] == name)
+    return str(vol["hostPath"]["path"])
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_plugin_accepts_the_daemonsets_args_env_and_config(rendered: dict[str, list[dict[str, Any]]],
                                                            variant: str, tmp_path: Path) -> None:
@@ -324,6 +334,18 @@ def test_plugin_accepts_the_daemonsets_args_env_and_config(rendered: dict[str, l
     port = container(find(rendered[variant], "DaemonSet"))["ports"][0]["containerPort"]
     assert cfg.metrics_address == f"0.0.0.0:{port}"
     assert str(cfg.pod_resources_socket.parent) in mounts
+    # NVSentinel's sockets: the directory is mounted, so a restarted peer's new socket file is seen.
+    if variant == "nvsentinel":
+        assert cfg.nvsentinel_socket == Path("/var/run/nvsentinel/nvsentinel.sock")
+        assert _host_dir(rendered[variant], cfg.nvsentinel_socket.parent) == "/var/run/nvsentinel"
+    else:
+        assert cfg.nvsentinel_socket is None
+    if variant == "device-api":
+        assert cfg.device_api_socket == Path("/var/run/device-api/device.sock")
+        assert (cfg.device_api_provide, cfg.device_api_consume) == (True, True)
+        assert _host_dir(rendered[variant], cfg.device_api_socket.parent) == "/var/run/device-api"
+    else:
+        assert (cfg.device_api_socket, cfg.device_api_provide, cfg.device_api_consume) == (None, False, False)
 
 
 def test_configmap_health_section_is_the_default_policy(rendered: dict[str, list[dict[str, Any]]]) -> None:
