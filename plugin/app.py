@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import platform
 import signal
 import threading
 import time
@@ -29,6 +30,7 @@ from plugin.startup import StartupError, check_paths, claim_state_dir
 if TYPE_CHECKING:
     from plugin.devices.nvml import NvmlBackend
     from plugin.dra.mode import DraMode
+    from plugin.nvsentinel.sender import HealthEventSender
     from plugin.outlets.correlation import Correlator, Resource
     from plugin.outlets.metrics import MetricsServer
     from plugin.outlets.reporter import KubeReporter
@@ -137,6 +139,19 @@ def make_dra(cfg: Config, state: NodeState, alloc: AllocationConfig, clock: Call
     return DraMode(settings, state, claims, lambda: KubeClient(kubeconfig), clock)
 
 
+def make_nvsentinel_sender(cfg: Config, state: NodeState) -> HealthEventSender | None:
+    """Our health events to NVSentinel's platform connector, or None without --nvsentinel-socket."""
+    if cfg.nvsentinel_socket is None:
+        return None
+    from plugin.nvsentinel.sender import HealthEventSender, SenderSettings
+    node_name = cfg.node_name or platform.node()
+    if not cfg.node_name:
+        log.info("NVSentinel health events name the node %r: no node name set (--node-name or NODE_NAME)",
+                 node_name)
+    return HealthEventSender(state, SenderSettings(socket=cfg.nvsentinel_socket, node_name=node_name,
+                                                   store_only=cfg.nvsentinel_store_only))
+
+
 class App:
     def __init__(self, cfg: Config, backend: Backend | None = None) -> None:
         self.cfg = cfg
@@ -164,11 +179,13 @@ class App:
         self.health_server = HealthServer(
             cfg.health_socket_path, self.state,
             outlet_errors=self.kube_reporter.outlet_errors if self.kube_reporter is not None else dict)
+        # Health events to NVSentinel; None without --nvsentinel-socket.
+        self.nvsentinel = make_nvsentinel_sender(cfg, self.state)
         # Pods on failing devices (PodResources -> Events, annotations, evictions); None with --correlate-on none.
         self.correlator = make_correlator(cfg, self.state, self.resources)
         # /metrics, /healthz, /readyz; None with --metrics-address off.
         self.metrics_server = make_metrics_server(cfg, self.state, self.monitor, self.backend, self.supervisor,
-                                                  self.dra, self.kube_reporter, self.correlator)
+                                                  self.dra, self.kube_reporter, self.correlator, self.nvsentinel)
         # False while a successor waits for the state dir (start(active=False)); shutdown stops only what started.
         self.active = False
 
@@ -222,6 +239,8 @@ class App:
             self.kube_reporter.start()  # after the kubelet path: the API server never delays it
         if self.correlator is not None:
             self.correlator.start()
+        if self.nvsentinel is not None:
+            self.nvsentinel.start()
 
     def shutdown(self, timeout_s: float = 4.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -236,6 +255,8 @@ class App:
                 self.kube_reporter.stop(timeout=0.5)  # a request in flight is abandoned (daemon thread)
             if self.correlator is not None:
                 self.correlator.stop(timeout=0.5)
+            if self.nvsentinel is not None:
+                self.nvsentinel.stop(timeout=0.5)  # a call in flight ends at its deadline (daemon thread)
         if self.metrics_server is not None:
             self.metrics_server.stop()
         if self.active:
@@ -246,7 +267,8 @@ class App:
 
 def make_metrics_server(cfg: Config, state: NodeState, monitor: Monitor, backend: Backend,
                         supervisor: Supervisor | None, dra: DraMode | None, reporter: KubeReporter | None,
-                        correlator: Correlator | None) -> MetricsServer | None:
+                        correlator: Correlator | None,
+                        nvsentinel: HealthEventSender | None = None) -> MetricsServer | None:
     """/metrics, /healthz and /readyz as the config asks (None with ``--metrics-address off``), with a collector for
     each part that exists: an outlet that is off has no series."""
     if cfg.metrics_address == "off":
@@ -257,7 +279,8 @@ def make_metrics_server(cfg: Config, state: NodeState, monitor: Monitor, backend
                       correlation=(lambda: correlator.stats) if correlator is not None else None,
                       registration=dra, slice_writer=dra.slice_writer.status if dra is not None else None,
                       claims=dra.driver if dra is not None else None,
-                      health_streams=dra.server if dra is not None else None)
+                      health_streams=dra.server if dra is not None else None,
+                      nvsentinel=nvsentinel.status if nvsentinel is not None else None)
     probes = Probes(monitor, supervisor if supervisor is not None else dra, cfg.stall_threshold,
                     clock=monitor.clock)
     return MetricsServer(cfg.metrics_address, build_registry(sources), probes)

@@ -83,3 +83,14 @@ def test_health_defaults_in_the_docs_are_the_policy_defaults() -> None:
             node = node.setdefault(p, {})  # type: ignore[assignment]
         node[leaf] = yaml.safe_load(gen_docs._fmt(k.default(h)))  # type: ignore[index]
     assert config_mod.parse_health(doc) == config_mod.parse_health(None)
+
+
+def test_the_nvsentinel_mapping_has_a_row_per_reason_and_needs_its_markers(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    table = [ln for ln in gen_docs.render_nvsentinel_mapping().splitlines() if ln.startswith("| `")]
+    assert [ln.split("`")[1] for ln in table] == [r.code for r in REASONS]
+    page = tmp_path / "nvsentinel.md"
+    page.write_text("# NVSentinel\n\nno markers here\n")
+    monkeypatch.setattr(gen_docs, "NVSENTINEL_MD", page)
+    with pytest.raises(gen_docs.DocsError, match="lacks the markers"):
+        gen_docs.render_nvsentinel()

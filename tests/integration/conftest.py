@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,17 +44,26 @@ def make_config(root: Path, node: NodeFile, dev_root: Path, **extra: object) -> 
                   health=HealthConfig(clear_after_polls=2), **extra)  # type: ignore[arg-type]
 
 
-@pytest.fixture
-def env(short_socket_dir: Path, dev_root: Path) -> Iterator[Env]:
-    node = NodeFile(short_socket_dir / "node.json")
-    kubelet = KubeletStandin(short_socket_dir / "dp")
+@contextmanager
+def running_app(root: Path, dev_root: Path, **extra: object) -> Iterator[Env]:
+    """The whole plugin on the simulated 8-GPU node, registered with a kubelet stand-in; ``extra`` sets options."""
+    node = NodeFile(root / "node.json")
+    kubelet = KubeletStandin(root / "dp")
     kubelet.start()
-    cfg = make_config(short_socket_dir, node, dev_root)
+    cfg = make_config(root, node, dev_root, **extra)
     app = App(cfg)
     app.start()
-    e = Env(short_socket_dir, node, kubelet, app, cfg)
-    assert e.wait_kubelet(lambda: kubelet.capacity() == (8, 8)), "plugin never registered"
-    yield e
-    app.stop.set()
-    app.shutdown()
-    kubelet.stop()
+    e = Env(root, node, kubelet, app, cfg)
+    try:
+        assert e.wait_kubelet(lambda: kubelet.capacity() == (8, 8)), "plugin never registered"
+        yield e
+    finally:
+        app.stop.set()
+        app.shutdown()
+        kubelet.stop()
+
+
+@pytest.fixture
+def env(short_socket_dir: Path, dev_root: Path) -> Iterator[Env]:
+    with running_app(short_socket_dir, dev_root) as e:
+        yield e

@@ -21,6 +21,7 @@ from plugin.outlets.metrics.sources import (
     MonitorStats,
     NodeHistory,
     NvmlCallCounter,
+    NvsentinelCounters,
     RegistrationHolder,
     RegistrationSource,
     ReporterCounters,
@@ -315,6 +316,29 @@ class HealthStreamCollector:
                           value=self._server.health_streams)
 
 
+class NvsentinelCollector:
+    """The health events sent to NVSentinel's platform connector (only with --nvsentinel-socket)."""
+
+    def __init__(self, status: Callable[[], NvsentinelCounters]) -> None:
+        self._status = status
+
+    def collect(self) -> Iterable[Family]:
+        s = self._status()
+        yield CounterFamily("gpu_health_nvsentinel_events_sent",
+                            "health events NVSentinel's platform connector accepted", value=s.events_sent)
+        failures = CounterFamily("gpu_health_nvsentinel_send_failures",
+                                 "sends of health events that failed, by reason (no-socket, not-a-socket, "
+                                 "unavailable, deadline-exceeded, unimplemented, rejected)", labels=["reason"])
+        for reason, n in s.failures_by_reason.items():
+            failures.add_metric([label_code(reason)], n)
+        yield failures
+        yield GaugeFamily("gpu_health_nvsentinel_connected",
+                          "1 while NVSentinel's socket is there and the last send (if any) succeeded",
+                          value=1.0 if s.connected else 0.0)
+        yield GaugeFamily("gpu_health_nvsentinel_pending_checks",
+                          "checks whose current state NVSentinel does not have yet", value=s.pending_checks)
+
+
 @dataclass(frozen=True)
 class Sources:
     """Where the numbers come from. Everything but the node state is optional, so each outlet can be off; a
@@ -333,6 +357,7 @@ class Sources:
     slice_writer: Callable[[], SliceWriterCounters] | None = None  # the ResourceSlice writer's status
     claims: ClaimCounters | None = None  # the DRA driver
     health_streams: HealthStreamCount | None = None  # the DRA server
+    nvsentinel: Callable[[], NvsentinelCounters] | None = None  # the NVSentinel sender's status
 
 
 def collectors(sources: Sources) -> list[Collector]:
@@ -355,6 +380,8 @@ def collectors(sources: Sources) -> list[Collector]:
         out.append(ReportingCollector(sources.annotations))
     if sources.correlation is not None:
         out.append(CorrelationCollector(sources.correlation))
+    if sources.nvsentinel is not None:
+        out.append(NvsentinelCollector(sources.nvsentinel))
     return out
 
 

@@ -227,3 +227,22 @@ class HealthStreamCount(Protocol):
 
     @property
     def health_streams(self) -> int: ...
+
+
+# NVSentinel -------------------------------------------------------------------------------------------------------
+
+class NvsentinelCounters(Protocol):
+    """The NVSentinel health-event sender's status: events sent, failed sends by reason (each reason of the closed
+    set present from the start), whether NVSentinel is reachable, and how many checks it does not have yet."""
+
+    @property
+    def events_sent(self) -> int: ...
+
+    @property
+    def failures_by_reason(self) -> Mapping[str, int]: ...
+
+    @property
+    def connected(self) -> bool: ...
+
+    @property
+    def pending_checks(self) -> int: ...
