@@ -150,7 +150,7 @@ CHART_OWNED = frozenset({
     "migStrategy", "failOnInitError", "cdi", "nodeCondition", "nodeConditionType", "nodeConditionReasons",
     "annotations", "events", "remediate",
     "annotatePods", "handover",
-    # DRA mode needs its own mounts and grants: the chart serves the device-plugin mode only (docs/dra.md).
+    # The chart's mode value (with its mounts and grants) and hostPaths' DRA directories, mounted at the same path.
     "mode", "draPluginDir", "draRegistryDir", "cdiSpecDir",
 })
 
@@ -300,6 +300,9 @@ def chart_schema() -> Schema:
         "imagePullSecrets": _typed("Secrets for pulling the image from a private registry.", "array", items={
             "description": "A Secret in the release's namespace.", "type": "object", "required": ["name"],
             "properties": {"name": _string("The Secret's name.", minLength=1)}}),
+        "mode": _enum("How GPUs reach pods (docs/dra.md): device-plugin (the nvidia.com/gpu extended resource) or dra "
+                      "(Dynamic Resource Allocation: ResourceSlices, the DeviceClass gpu.gpu-health.io; Kubernetes "
+                      ">= 1.34). One mode per node.", plugin_options.option("mode").choices),
         "migStrategy": _enum("MIG devices: none (GPUs whole), single (MIG devices as nvidia.com/gpu) or mixed (one "
                              "resource per profile, for example nvidia.com/mig-1g.10gb).", MIG_STRATEGIES),
         "failOnInitError": _boolean("Exit when NVML cannot start, so the failure is a visible crash loop; false "
@@ -345,6 +348,11 @@ def chart_schema() -> Schema:
             "podResources": _string("The kubelet's PodResources API socket directory.", pattern="^/"),
             "state": _string("The plugin's state directory: latched faults, transitions, the health API socket.",
                              pattern="^/"),
+            "draPlugin": _string("DRA mode: the directory of the plugin's DRA socket, where the kubelet connects.",
+                                 pattern="^/"),
+            "pluginsRegistry": _string("DRA mode: the kubelet's plugin registration directory.", pattern="^/"),
+            "cdiSpecs": _string("DRA mode: where the CDI spec of each prepared claim is written, a directory the "
+                                "container runtime reads CDI specs from.", pattern="^/"),
         }),
         "extraArgs": _typed("Extra arguments after `run` (flags of docs/config.md).", "array",
                             items={"type": "string"}),

@@ -41,6 +41,7 @@ from typing import Any
 import pytest
 import yaml
 
+from plugin.dra.slices import DRIVER
 from plugin.health.reasons import KubeletHealth, State
 from plugin.validation import FieldError
 from scripts import helm as helm_build
@@ -52,12 +53,15 @@ REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "gpu-health-device-plugin"
 MANIFESTS = REPO / "manifests"
 LOCAL_VALUES = REPO / "scripts" / "localcluster" / "helm-values.yaml"
+LOCAL_DRA_VALUES = REPO / "scripts" / "localcluster" / "helm-values-dra.yaml"
 ALERTS = MANIFESTS / "alerts" / "prometheusrule.yaml"
 RELEASE = "gpu-health-device-plugin"
 NAMESPACE = "gpu-health-system"
 NAME = "gpu-health-device-plugin"
 # The oldest release the chart supports (its kubeVersion) and the release of the conformance API server.
 KUBE_VERSIONS = ("1.30.0", "1.37.0")
+# mode: dra's oldest release (resource.k8s.io/v1 GA) and the same newest.
+DRA_KUBE_VERSIONS = ("1.34.0", "1.37.0")
 VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
 
 Obj = dict[str, Any]
@@ -127,9 +131,17 @@ PAIRS = (
          ("controller.enabled=true",)),
     Pair("local-cluster", ("overlays/local-cluster",), (LOCAL_VALUES,)),
     Pair("prometheus-rule", ("base", "alerts/prometheusrule.yaml"), sets=("prometheusRule.enabled=true",)),
+    Pair("dra", ("overlays/dra",), sets=("mode=dra",)),
+    Pair("local-cluster-dra", ("overlays/local-cluster-dra",), (LOCAL_VALUES, LOCAL_DRA_VALUES)),
 )
+# The pairs in mode: dra, which renders only for Kubernetes >= 1.34.
+DRA_PAIRS = {"dra", "local-cluster-dra"}
 ALL_ON = ("controller.enabled=true,controller.drain=true,serviceMonitor.enabled=true,prometheusRule.enabled=true,"
           "remediation.enabled=true,nodeCondition.enabled=true,cdi.enabled=true,metricsNetworkPolicy.enabled=true",)
+# Everything mode: dra takes (remediation, cdi and a surge rollout are device-plugin mode's).
+DRA_ALL_ON = ("mode=dra,controller.enabled=true,controller.drain=true,serviceMonitor.enabled=true,"
+              "prometheusRule.enabled=true,nodeCondition.enabled=true,metricsNetworkPolicy.enabled=true,"
+              "plugin.draUnhealthyTaintEffect=NoExecute,plugin.draDegradedHealth=Unhealthy",)
 
 
 def kustomize(kubectl: Path, sources: Sequence[str]) -> list[Obj]:
@@ -405,21 +417,40 @@ def test_comparison_catches_drift(helm: Path, renders: dict[str, tuple[list[Obj]
 
 # Validity -------------------------------------------------------------------------------------------------------
 
-RENDERINGS = {p.id: (p.values_files, p.sets) for p in PAIRS} | {"all-on": ((), ALL_ON)}
+RENDERINGS = {p.id: (p.values_files, p.sets) for p in PAIRS if p.id not in DRA_PAIRS} | {"all-on": ((), ALL_ON)}
+DRA_RENDERINGS = {p.id: (p.values_files, p.sets) for p in PAIRS if p.id in DRA_PAIRS} | {
+    "dra-all-on": ((), DRA_ALL_ON)}
 # The Prometheus Operator's kinds have no Kubernetes schema; test_prometheus_objects_fit_the_plugin checks them.
 OPERATOR_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule")}
 
 
-@pytest.mark.parametrize("version", KUBE_VERSIONS)
-def test_every_chart_object_validates_strictly(helm: Path, version: str) -> None:
-    objects = [(rendering, obj) for rendering, (values_files, sets) in RENDERINGS.items()
+def _strictly_valid(helm: Path, renderings: dict[str, tuple[Any, Any]], version: str) -> tuple[list[tuple[str, Obj]],
+                                                                                           list[tuple[str, Obj]]]:
+    """Every object of ``renderings`` at Kubernetes ``version``, and those with a Kubernetes schema, all valid."""
+    objects = [(rendering, obj) for rendering, (values_files, sets) in renderings.items()
                for obj in helm_template(helm, values_files, sets, kube_version=version)]
     checked = [(r, o) for r, o in objects if (o["apiVersion"], o["kind"]) not in OPERATOR_KINDS]
     problems, validated = strict_problems(checked, version)
     assert not problems, f"invalid against Kubernetes {version}:\n" + "\n".join(problems)
+    assert validated == len(checked)
+    return objects, checked
+
+
+@pytest.mark.parametrize("version", KUBE_VERSIONS)
+def test_every_chart_object_validates_strictly(helm: Path, version: str) -> None:
+    objects, checked = _strictly_valid(helm, RENDERINGS, version)
     # prometheus-rule's PrometheusRule, and all-on's ServiceMonitor and PrometheusRule.
     assert len(objects) - len(checked) == 3
-    assert validated == len(checked) >= 7 * len(RENDERINGS)
+    assert len(checked) >= 7 * len(RENDERINGS)
+
+
+@pytest.mark.parametrize("version", DRA_KUBE_VERSIONS)
+def test_every_dra_chart_object_validates_strictly(helm: Path, version: str) -> None:
+    objects, checked = _strictly_valid(helm, DRA_RENDERINGS, version)
+    # dra-all-on's ServiceMonitor and PrometheusRule.
+    assert len(objects) - len(checked) == 2
+    # Each rendering has the DeviceClass: the kind only mode: dra brings.
+    assert sorted(r for r, o in checked if o["kind"] == "DeviceClass") == sorted(DRA_RENDERINGS)
 
 
 def test_prometheus_objects_fit_the_plugin(helm: Path) -> None:
@@ -441,6 +472,91 @@ def test_prometheus_objects_fit_the_plugin(helm: Path) -> None:
     assert find(objs, "PrometheusRule", NAME)["spec"] == yaml.safe_load(ALERTS.read_text())["spec"]
 
 
+# Modes ----------------------------------------------------------------------------------------------------------
+
+def _refusal(helm: Path, sets: Iterable[str], kube_version: str = "1.37.0") -> str:
+    """The one line `fail` stops a rendering with, after helm's "execution error at (template:line:col): "."""
+    out = helm_run(helm, *template_args(sets=sets, kube_version=kube_version))
+    assert out.returncode != 0, f"rendered with {list(sets)}"
+    [line] = [ln for ln in out.stderr.splitlines() if ln.startswith("Error: execution error at (")]
+    return line.split("): ", 1)[1]
+
+
+SURGE = "updateStrategy.rollingUpdate.maxSurge=10%,updateStrategy.rollingUpdate.maxUnavailable=0"
+# (a value, the mode that refuses it, the whole line it is refused with). The other mode takes each.
+MODE_REFUSALS = [
+    ("migStrategy=mixed", "dra", "migStrategy: mixed is device-plugin mode's; mode: dra publishes whole GPUs only "
+     "(none)"),
+    ("sharing.timeSlicing.resources[0].name=nvidia.com/gpu,sharing.timeSlicing.resources[0].replicas=2", "dra",
+     "sharing: time-slicing is device-plugin mode's; mode: dra does not share GPUs (remove the sharing section)"),
+    ("cdi.enabled=true", "dra", "cdi.enabled: CDI names from Allocate are device-plugin mode's; mode: dra always "
+     "hands GPUs over through CDI specs (hostPaths.cdiSpecs)"),
+    ("remediation.enabled=true", "dra", "remediation.enabled: evicting the pods of a failing GPU is device-plugin "
+     "mode's (it finds them through PodResources); in mode: dra use plugin.draUnhealthyTaintEffect: NoExecute"),
+    (SURGE, "dra", "updateStrategy.rollingUpdate.maxSurge: a surge rollout (--handover) is device-plugin mode's; in "
+     "mode: dra two plugins on a node would both write its ResourceSlice and prepare claims: keep maxSurge 0"),
+    ("plugin.resourceName=example.com/gpu", "dra", "plugin.resourceName is device-plugin mode's; mode: dra has no "
+     "extended resource and no pod correlation (pod status carries each device's health)"),
+    ("plugin.correlateOn=Unhealthy", "dra", "plugin.correlateOn is device-plugin mode's; mode: dra has no extended "
+     "resource and no pod correlation (pod status carries each device's health)"),
+    ("plugin.draDegradedHealth=Unhealthy", "device-plugin", "plugin.draDegradedHealth is mode: dra's; this release "
+     "is mode: device-plugin"),
+    ("plugin.draDegradedTaint=false", "device-plugin", "plugin.draDegradedTaint is mode: dra's; this release is "
+     "mode: device-plugin"),
+    ("hostPaths.cdiSpecs=/etc/cdi", "device-plugin", "hostPaths.cdiSpecs is mode: dra's; this release is mode: "
+     "device-plugin (leave it at /var/run/cdi)"),
+]
+
+
+@pytest.mark.parametrize(("value", "mode", "line"), MODE_REFUSALS, ids=[f"{m}-{v.split('=')[0]}"
+                                                                        for v, m, _ in MODE_REFUSALS])
+def test_a_value_of_the_other_mode_stops_the_rendering_naming_it(helm: Path, value: str, mode: str,
+                                                                 line: str) -> None:
+    assert _refusal(helm, (f"mode={mode}", value)) == line
+    other = "device-plugin" if mode == "dra" else "dra"
+    assert helm_template(helm, sets=(f"mode={other}", value)), f"mode: {other} refused {value}"
+
+
+def test_dra_mode_needs_api_access_and_kubernetes_1_34(helm: Path) -> None:
+    assert _refusal(helm, ("mode=dra", "clusterReporting.enabled=false")) == (
+        "clusterReporting.enabled: false takes the plugin's API access away, which mode: dra needs (it publishes a "
+        "ResourceSlice and reads the claims it prepares)")
+    assert _refusal(helm, ("mode=dra",), kube_version="1.33.0") == (
+        'mode: dra needs Kubernetes >= 1.34 (resource.k8s.io/v1), this cluster is v1.33.0 (docs/dra.md, "Gates per '
+        'Kubernetes version")')
+    # device-plugin mode keeps the chart's own floor.
+    assert helm_template(helm, kube_version="1.30.0")
+
+
+@pytest.mark.parametrize("mode", ["device-plugin", "dra"])
+@pytest.mark.parametrize("arg", ["--mode=dra", "--mode", "--dra-plugin-dir=/x", "--cdi-spec-dir=/x"])
+def test_extra_args_cannot_move_what_the_chart_mounts_and_grants(helm: Path, mode: str, arg: str) -> None:
+    flag = arg.split("=")[0]
+    assert _refusal(helm, (f"mode={mode}", f"extraArgs[0]={arg}")) == (
+        f"extraArgs: {flag} is set by the chart (mode, hostPaths), not by extraArgs")
+
+
+@pytest.mark.parametrize("pair", sorted(DRA_PAIRS))
+def test_dra_rendering_runs_the_plugin_in_dra_mode_on_the_mounted_paths(
+        renders: dict[str, tuple[list[Obj], list[Obj]]], pair: str, tmp_path: Path) -> None:
+    chart = renders[pair][1]
+    cfg, _ = _plugin_config(chart, tmp_path)
+    assert cfg.mode == "dra"
+    values = yaml.safe_load((LOCAL_DRA_VALUES if pair == "local-cluster-dra" else CHART / "values.yaml").read_text())
+    ds = find(chart, "DaemonSet", NAME)
+    host = {v["name"]: v["hostPath"]["path"] for v in ds["spec"]["template"]["spec"]["volumes"] if "hostPath" in v}
+    mounts = {m["name"]: m["mountPath"] for m in ds["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]}
+    # The plugin registers, serves and writes where the kubelet and the runtime look: the host's path, mounted at
+    # the same path. With values.yaml's paths no flag is passed, so they must be the plugin's own defaults.
+    for volume, key, path in (("dra-plugin", "draPlugin", cfg.dra_plugin_dir),
+                              ("plugins-registry", "pluginsRegistry", cfg.dra_registry_dir),
+                              ("cdi", "cdiSpecs", cfg.cdi_spec_dir)):
+        assert mounts[volume] == host[volume] == str(path) == values["hostPaths"][key], volume
+    # The DeviceClass selects the driver the plugin publishes its slice for.
+    assert find(chart, "DeviceClass", DRIVER)["spec"]["selectors"] == [
+        {"cel": {"expression": f'device.driver == "{DRIVER}"'}}]
+
+
 # helm lint ------------------------------------------------------------------------------------------------------
 
 def _lint_clean(out: subprocess.CompletedProcess[str]) -> None:
@@ -455,8 +571,9 @@ def test_helm_lint_is_clean(helm: Path) -> None:
     _lint_clean(helm_run(helm, "lint", str(CHART.relative_to(REPO))))
 
 
-def test_helm_lint_strict_with_everything_on(helm: Path) -> None:
-    _lint_clean(helm_run(helm, "lint", "--strict", str(CHART.relative_to(REPO)), "--set", ALL_ON[0]))
+@pytest.mark.parametrize("everything", [ALL_ON[0], DRA_ALL_ON[0]], ids=["device-plugin", "dra"])
+def test_helm_lint_strict_with_everything_on(helm: Path, everything: str) -> None:
+    _lint_clean(helm_run(helm, "lint", "--strict", str(CHART.relative_to(REPO)), "--set", everything))
 
 
 # The config file ------------------------------------------------------------------------------------------------

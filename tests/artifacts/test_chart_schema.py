@@ -43,7 +43,7 @@ def _values() -> dict[str, Any]:
 def test_a_values_key_without_a_schema_stops_the_generator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     values = _values()
-    values["hostPaths"]["cdiSpecs"] = "/etc/cdi"
+    values["hostPaths"]["kubeletRoot"] = "/var/lib/kubelet"
     del values["minReadySeconds"]
     path = tmp_path / "values.yaml"
     path.write_text(yaml.safe_dump(values))
@@ -52,7 +52,7 @@ def test_a_values_key_without_a_schema_stops_the_generator(tmp_path: Path, monke
     # Through the generator users run: one line naming each key, exit 2, nothing written.
     assert gen_docs.main([]) == 2
     err = capsys.readouterr().err
-    assert "hostPaths.cdiSpecs: in values.yaml but not in" in err
+    assert "hostPaths.kubeletRoot: in values.yaml but not in" in err
     assert "minReadySeconds: in scripts/gen_chart_schema.py's table but not in values.yaml" in err
     assert not (tmp_path / "values.schema.json").exists()
 
@@ -316,11 +316,16 @@ def test_helm_takes_the_chart_as_a_dependency(helm: tuple[Path, dict[str, str]],
      "replicas"),
     (["--set", "hostPaths.state=var/lib/x"], "/hostPaths/state", "^/"),
     (["--set", "image.pullPolicy=Sometimes"], "/image/pullPolicy", "IfNotPresent"),
+    # A mode the plugin does not have stops the install naming both it has, before any template runs.
+    (["--set", "mode=dra-driver"], "/mode", "value must be one of 'device-plugin', 'dra'"),
+    (["--set", "hostPaths.cdiSpecs=run/cdi"], "/hostPaths/cdiSpecs", "^/"),
     # The chart mounts the state dir itself (hostPaths.state): the plugin section may not move it.
     (["--set", "plugin.stateDir=/elsewhere"], "/plugin", "stateDir"),
+    # The mode is the chart's value, which brings its mounts and grants: the plugin section may not switch it.
+    (["--set", "plugin.mode=dra"], "/plugin", "'mode'"),
 ], ids=["unknown-top-level", "wrong-type", "unknown-plugin-key", "bad-enum", "health-type",
         "unknown-controller-key", "fraction-range", "missing-required", "relative-host-path", "pull-policy",
-        "chart-owned-plugin-key"])
+        "bad-mode", "relative-dra-path", "chart-owned-plugin-key", "chart-owned-mode"])
 def test_helm_refuses_a_bad_value_naming_its_path(helm: tuple[Path, dict[str, str]], args: list[str], path: str,
                                                   names: str) -> None:
     r = _template(helm, CHART, *args)

@@ -122,6 +122,21 @@ def _delete(local: Local, *objs: str) -> None:
         local.kubectl("delete", "-n", NS, o, "--grace-period=1", "--ignore-not-found", "--wait=true", timeout=120)
 
 
+def run_two_of_one_island(local: Local, name: str) -> str:
+    """A claim (and pod) ``name`` for two GPUs of one NVLink island, running with their device nodes; its UID."""
+    local.apply(_claim(name, 2, same_island=True), _pod(local, name, name))
+    uuids = local.visible_devices(name)
+    indices = {local.index_of(u) for u in uuids}
+    assert len(uuids) == 2 and any(indices <= i for i in ISLANDS), uuids
+    assert sorted(indices) == _allocated(local, name)
+    log = local.logs(name)
+    assert "nvidiactl" in log and all(f"nvidia{i}" in log for i in indices), log
+    # The claim's CDI spec is on the node, where containerd read it.
+    uid: str = local.get("resourceclaim", name, NS)["metadata"]["uid"]
+    assert (local.c.layout.cdi_dir / f"{DRIVER}-{uid}.json").exists()
+    return uid
+
+
 def test_20_dra_mode_publishes_a_slice_and_two_gpus_of_one_island_run(local: Local) -> None:
     # A clean node: what the device-plugin stories latched stays in their state dir, which DRA mode shares.
     _clear_signals(local)
@@ -142,16 +157,7 @@ def test_20_dra_mode_publishes_a_slice_and_two_gpus_of_one_island_run(local: Loc
     assert all(c["ready"] for c in pod["status"]["containerStatuses"])
     assert "registered with the kubelet" in _plugin_log(local)
     # Story 1 of the issue: two GPUs of one NVLink island.
-    local.apply(_claim("two", 2, same_island=True), _pod(local, "two", "two"))
-    uuids = local.visible_devices("two")
-    indices = {local.index_of(u) for u in uuids}
-    assert len(uuids) == 2 and any(indices <= i for i in ISLANDS), uuids
-    assert sorted(indices) == _allocated(local, "two")
-    log = local.logs("two")
-    assert "nvidiactl" in log and all(f"nvidia{i}" in log for i in indices), log
-    # The claim's CDI spec is on the node, where containerd read it.
-    uid = local.get("resourceclaim", "two", NS)["metadata"]["uid"]
-    assert (local.c.layout.cdi_dir / f"{DRIVER}-{uid}.json").exists()
+    run_two_of_one_island(local, "two")
     assert all(h == ("Healthy", "") for h in _pod_health(local, "two").values()) and len(_pod_health(local, "two"))
 
 

@@ -87,3 +87,73 @@ new plugin must then wait for the old one's state dir instead of refusing it (--
 {{- define "gpu-health.metricsPort" -}}
 {{- if .Values.hostNetwork }}9402{{ else }}metrics{{ end -}}
 {{- end -}}
+
+{{/*
+DRA mode's host directories: the hostPaths key, the plugin's flag for it and the plugin's default. Mounted at the
+same path inside the pod (the kubelet connects to what the plugin registers, the runtime reads the CDI specs where
+it writes them); the flag is passed only for a path moved off the default, so the default rendering is
+manifests/overlays/dra's.
+*/}}
+{{- define "gpu-health.draPaths" -}}
+- {key: draPlugin, volume: dra-plugin, flag: --dra-plugin-dir, default: /var/lib/kubelet/plugins/gpu.gpu-health.io, type: DirectoryOrCreate}
+- {key: pluginsRegistry, volume: plugins-registry, flag: --dra-registry-dir, default: /var/lib/kubelet/plugins_registry, type: Directory}
+- {key: cdiSpecs, volume: cdi, flag: --cdi-spec-dir, default: /var/run/cdi, type: DirectoryOrCreate}
+{{- end -}}
+
+{{- define "gpu-health.dra" -}}
+{{- if eq .Values.mode "dra" }}dra{{ end -}}
+{{- end -}}
+
+{{/*
+Values that mean nothing in the chosen mode stop the rendering with one line naming the value: left in, each
+would be silently ignored by the plugin or refused by it at start on every node.
+*/}}
+{{- define "gpu-health.checkMode" -}}
+{{- $v := .Values -}}
+{{- range $arg := $v.extraArgs }}
+{{- range list "--mode" "--dra-plugin-dir" "--dra-registry-dir" "--cdi-spec-dir" }}
+{{- if or (eq $arg .) (hasPrefix (printf "%s=" .) $arg) }}
+{{- fail (printf "extraArgs: %s is set by the chart (mode, hostPaths), not by extraArgs" .) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if include "gpu-health.dra" . }}
+{{- if semverCompare "<1.34.0-0" .Capabilities.KubeVersion.Version }}
+{{- fail (printf "mode: dra needs Kubernetes >= 1.34 (resource.k8s.io/v1), this cluster is %s (docs/dra.md, \"Gates per Kubernetes version\")" .Capabilities.KubeVersion.Version) }}
+{{- end }}
+{{- if not $v.clusterReporting.enabled }}
+{{- fail "clusterReporting.enabled: false takes the plugin's API access away, which mode: dra needs (it publishes a ResourceSlice and reads the claims it prepares)" }}
+{{- end }}
+{{- if ne $v.migStrategy "none" }}
+{{- fail (printf "migStrategy: %s is device-plugin mode's; mode: dra publishes whole GPUs only (none)" $v.migStrategy) }}
+{{- end }}
+{{- if $v.sharing }}
+{{- fail "sharing: time-slicing is device-plugin mode's; mode: dra does not share GPUs (remove the sharing section)" }}
+{{- end }}
+{{- if $v.cdi.enabled }}
+{{- fail "cdi.enabled: CDI names from Allocate are device-plugin mode's; mode: dra always hands GPUs over through CDI specs (hostPaths.cdiSpecs)" }}
+{{- end }}
+{{- if $v.remediation.enabled }}
+{{- fail "remediation.enabled: evicting the pods of a failing GPU is device-plugin mode's (it finds them through PodResources); in mode: dra use plugin.draUnhealthyTaintEffect: NoExecute" }}
+{{- end }}
+{{- if include "gpu-health.surge" . }}
+{{- fail "updateStrategy.rollingUpdate.maxSurge: a surge rollout (--handover) is device-plugin mode's; in mode: dra two plugins on a node would both write its ResourceSlice and prepare claims: keep maxSurge 0" }}
+{{- end }}
+{{- range list "resourceName" "correlateOn" }}
+{{- if hasKey $v.plugin . }}
+{{- fail (printf "plugin.%s is device-plugin mode's; mode: dra has no extended resource and no pod correlation (pod status carries each device's health)" .) }}
+{{- end }}
+{{- end }}
+{{- else }}
+{{- range list "draDegradedHealth" "draUnhealthyTaintEffect" "draDegradedTaint" }}
+{{- if hasKey $v.plugin . }}
+{{- fail (printf "plugin.%s is mode: dra's; this release is mode: device-plugin" .) }}
+{{- end }}
+{{- end }}
+{{- range fromYamlArray (include "gpu-health.draPaths" .) }}
+{{- if ne (get $v.hostPaths .key) .default }}
+{{- fail (printf "hostPaths.%s is mode: dra's; this release is mode: device-plugin (leave it at %s)" .key .default) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end -}}
