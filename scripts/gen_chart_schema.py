@@ -152,6 +152,8 @@ CHART_OWNED = frozenset({
     "annotatePods", "handover",
     # The chart's mode value (with its mounts and grants) and hostPaths' DRA directories, mounted at the same path.
     "mode", "draPluginDir", "draRegistryDir", "cdiSpecDir",
+    # NVSentinel's sockets need their host directories mounted: the nvsentinel and deviceApi values.
+    "nvsentinelSocket", "nvsentinelStoreOnly", "deviceApiSocket", "deviceApiProvide", "deviceApiConsume",
 })
 
 
@@ -322,6 +324,19 @@ def chart_schema() -> Schema:
                      "not": {"enum": list(KUBELET_CONDITIONS)}},
             "reasons": _enum("Its reason style (the plugin's nodeConditionReasons).",
                              plugin_options.option("node_condition_reasons").choices)}),
+        "nvsentinel": _fixed("Every device transition also goes to NVSentinel's platform connector as a health "
+                             "event (docs/nvsentinel.md); the host directory of its socket is mounted.", {
+            "enabled": _boolean("Send health events to NVSentinel."),
+            "hostDir": _string("The host directory holding NVSentinel's socket (its pods mount it as their "
+                               "/var/run).", pattern="^/"),
+            "socket": _string("The socket's file name in that directory.", pattern="^[^/]+$"),
+            "storeOnly": _boolean("Mark the events STORE_ONLY: NVSentinel keeps them but never acts on them.")}),
+        "deviceApi": _fixed("NVSentinel's node-local device API (docs/nvsentinel.md); the host directory of its "
+                            "socket is mounted when either way is on.", {
+            "provide": _boolean("Publish every GPU and its health to the device API."),
+            "consume": _boolean("Take the conditions other providers set on our GPUs there as reasons."),
+            "hostDir": _string("The host directory holding the device API's socket.", pattern="^/"),
+            "socket": _string("The socket's file name in that directory.", pattern="^[^/]+$")}),
         "clusterReporting": _switch("Node annotations and Events; false: no API access at all (no token, no "
                                     "ClusterRole, binding or admission policy)."),
         "remediation": _switch("Annotate and evict the pods holding a GPU that turned Unhealthy, with a ClusterRole "

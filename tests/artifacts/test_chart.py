@@ -119,6 +119,8 @@ PAIRS = (
     Pair("annotations-off", ("overlays/annotations-off",), sets=("clusterReporting.enabled=false",)),
     Pair("node-condition", ("overlays/node-condition",), sets=("nodeCondition.enabled=true",)),
     Pair("cdi", ("overlays/cdi",), sets=("cdi.enabled=true",)),
+    Pair("nvsentinel", ("overlays/nvsentinel",), sets=("nvsentinel.enabled=true",)),
+    Pair("device-api", ("overlays/device-api",), sets=("deviceApi.provide=true,deviceApi.consume=true",)),
     Pair("remediation", ("overlays/remediation",), sets=("remediation.enabled=true",)),
     Pair("surge-upgrade", ("overlays/surge-upgrade",),
          sets=("updateStrategy.rollingUpdate.maxSurge=10%,updateStrategy.rollingUpdate.maxUnavailable=0",)),
