@@ -29,6 +29,7 @@ from plugin.startup import StartupError, check_paths, claim_state_dir
 if TYPE_CHECKING:
     from plugin.devices.nvml import NvmlBackend
     from plugin.dra.mode import DraMode
+    from plugin.nvsentinel.deviceapi import DeviceApi
     from plugin.outlets.correlation import Correlator, Resource
     from plugin.outlets.metrics import MetricsServer
     from plugin.outlets.reporter import KubeReporter
@@ -166,9 +167,11 @@ class App:
             outlet_errors=self.kube_reporter.outlet_errors if self.kube_reporter is not None else dict)
         # Pods on failing devices (PodResources -> Events, annotations, evictions); None with --correlate-on none.
         self.correlator = make_correlator(cfg, self.state, self.resources)
+        # NVSentinel's device API (docs/nvsentinel.md): our health out, other providers' conditions in; None when off.
+        self.device_api = make_device_api(cfg, self.state, self.monitor)
         # /metrics, /healthz, /readyz; None with --metrics-address off.
         self.metrics_server = make_metrics_server(cfg, self.state, self.monitor, self.backend, self.supervisor,
-                                                  self.dra, self.kube_reporter, self.correlator)
+                                                  self.dra, self.kube_reporter, self.correlator, self.device_api)
         # False while a successor waits for the state dir (start(active=False)); shutdown stops only what started.
         self.active = False
 
@@ -178,6 +181,8 @@ class App:
         to that instance until ``take_over``."""
         self.cfg.state_dir.mkdir(parents=True, exist_ok=True)
         self.monitor.start(persist=active)
+        if self.device_api is not None:
+            self.device_api.start_consumer()  # a successor serving the kubelet needs the same reasons
         if active:
             self._start_health_api()
         if self.supervisor is not None:
@@ -222,6 +227,8 @@ class App:
             self.kube_reporter.start()  # after the kubelet path: the API server never delays it
         if self.correlator is not None:
             self.correlator.start()
+        if self.device_api is not None:
+            self.device_api.start_provider()  # only the instance owning the node writes for it
 
     def shutdown(self, timeout_s: float = 4.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -236,6 +243,8 @@ class App:
                 self.kube_reporter.stop(timeout=0.5)  # a request in flight is abandoned (daemon thread)
             if self.correlator is not None:
                 self.correlator.stop(timeout=0.5)
+        if self.device_api is not None:
+            self.device_api.stop(timeout=0.5)
         if self.metrics_server is not None:
             self.metrics_server.stop()
         if self.active:
@@ -244,9 +253,18 @@ class App:
         self.backend.close()
 
 
+def make_device_api(cfg: Config, state: NodeState, monitor: Monitor) -> DeviceApi | None:
+    if not (cfg.device_api_provide or cfg.device_api_consume) or cfg.device_api_socket is None:
+        return None
+    from plugin.nvsentinel.deviceapi import DeviceApi, DeviceApiSettings
+    settings = DeviceApiSettings(socket=cfg.device_api_socket, label=cfg.name_of("device_api_socket"),
+                                 provide=cfg.device_api_provide, consume=cfg.device_api_consume)
+    return DeviceApi(state, monitor, settings)
+
+
 def make_metrics_server(cfg: Config, state: NodeState, monitor: Monitor, backend: Backend,
                         supervisor: Supervisor | None, dra: DraMode | None, reporter: KubeReporter | None,
-                        correlator: Correlator | None) -> MetricsServer | None:
+                        correlator: Correlator | None, device_api: DeviceApi | None = None) -> MetricsServer | None:
     """/metrics, /healthz and /readyz as the config asks (None with ``--metrics-address off``), with a collector for
     each part that exists: an outlet that is off has no series."""
     if cfg.metrics_address == "off":
@@ -257,7 +275,8 @@ def make_metrics_server(cfg: Config, state: NodeState, monitor: Monitor, backend
                       correlation=(lambda: correlator.stats) if correlator is not None else None,
                       registration=dra, slice_writer=dra.slice_writer.status if dra is not None else None,
                       claims=dra.driver if dra is not None else None,
-                      health_streams=dra.server if dra is not None else None)
+                      health_streams=dra.server if dra is not None else None,
+                      device_api=device_api.stats if device_api is not None else None)
     probes = Probes(monitor, supervisor if supervisor is not None else dra, cfg.stall_threshold,
                     clock=monitor.clock)
     return MetricsServer(cfg.metrics_address, build_registry(sources), probes)

@@ -23,6 +23,8 @@ METRICS = {"plugin.outlets.metrics"}
 METRICS_NEVER = {"prometheus_client", "http.server", "http.client", "email", "wsgiref", "urllib.request"}
 CORRELATION = {"plugin.outlets.correlation", "api.podresources.v1.api_pb2"}
 NVML = {"pynvml", "plugin.devices.nvml"}
+DEVICE_API = {"plugin.nvsentinel.deviceapi", "plugin.nvsentinel.gpuconditions",
+              "api.nvsentinel.deviceapi.v1alpha1.gpu_pb2"}
 
 PROBE = textwrap.dedent("""
     import json, sys
@@ -69,6 +71,7 @@ def test_defaults_import_no_reporting_no_yaml_no_nvml(tmp_path: Path) -> None:
     assert not mods & REPORTING, "cluster reporting is off without a node name"
     assert "yaml" not in mods, "no config file was given"
     assert not mods & NVML
+    assert not mods & DEVICE_API, "NVSentinel's device API is off unless asked for"
     assert METRICS.issubset(mods) and CORRELATION.issubset(mods), "both are on by default"
     assert not mods & METRICS_NEVER, "the metrics outlet writes its formats and serves HTTP on its own"
 
@@ -84,3 +87,9 @@ def test_an_outlet_that_is_off_is_not_imported(tmp_path: Path, flags: dict[str, 
 def test_reporting_on_imports_its_modules(tmp_path: Path) -> None:
     mods = modules_after_start(tmp_path, node_name="n1", kubeconfig=str(_kubeconfig(tmp_path)))
     assert REPORTING.issubset(mods)
+
+
+def test_the_device_api_on_imports_its_modules(tmp_path: Path) -> None:
+    # No server listens there: the consumer only retries, which is enough to have loaded what it runs on.
+    mods = modules_after_start(tmp_path, device_api_socket=str(tmp_path / "device.sock"), device_api_consume="true")
+    assert DEVICE_API.issubset(mods)
