@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -34,20 +33,11 @@ from plugin.nvsentinel.deviceapi import (
 from plugin.nvsentinel.gpuconditions import CONDITION_TYPE
 from tests.conftest import FakeClock, NodeFile
 from tests.fakes.device_api import FakeDeviceApi
+from tests.integration.conftest import wait_state
 from tests.integration.test_dra_app import _free_port
+from tests.integration.test_dra_server import poll
 
 LABEL = "--device-api-socket"
-
-
-def eventually(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
-    """Poll ``predicate`` with a deadline: for flags a thread sets without announcing it (the role's connection)."""
-    deadline = time.monotonic() + timeout
-    tick = threading.Event()
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        tick.wait(0.02)
-    return True
 
 
 def two_gpus() -> dict[str, object]:
@@ -88,13 +78,7 @@ class Rig:
         return d
 
     def wait_state(self, predicate: object, timeout: float = 10.0) -> bool:
-        deadline = time.monotonic() + timeout
-        version = -1
-        while not predicate():  # type: ignore[operator]
-            if time.monotonic() > deadline:
-                return False
-            version = self.state.wait_for_change(version, 0.2).version
-        return True
+        return wait_state(self.state, predicate, timeout)
 
 
 @pytest.fixture
@@ -306,7 +290,7 @@ def test_malformed_conditions_are_skipped_alone_and_counted(rig: Rig, consumer: 
                               nvml_ready("False"), uuid=uuid)
         rig.fake.put_raw(gpu_pb2.Gpu(metadata=gpu_pb2.ObjectMeta(name="no-uuid")))
         assert rig.wait_state(lambda: rig.device(uuid).state is State.UNHEALTHY)
-        assert eventually(lambda: rig.stats.rejections()["no-uuid"] >= 1)
+        assert poll(lambda: rig.stats.rejections()["no-uuid"] >= 1)
     assert [r.code for r in rig.device(uuid).reasons] == ["external-nvml-ready"]
     counts = rig.stats.rejections()
     assert counts["empty-type"] >= 1 and counts["bad-status"] >= 1 and counts["bad-message"] >= 1
@@ -329,12 +313,12 @@ def test_a_lost_stream_keeps_the_reasons_until_the_relist_replaces_them(rig: Rig
     other_provider_writes(rig.fake, uuid.lower(), nvml_ready("False"), uuid=uuid)
     assert rig.wait_state(lambda: rig.device(uuid).state is State.UNHEALTHY)
     rig.fake.stop()
-    assert eventually(lambda: not rig.stats.connected()["consumer"])
+    assert poll(lambda: not rig.stats.connected()["consumer"])
     assert rig.device(uuid).state is State.UNHEALTHY, "kept while the device API is away"
     rig.fake.gpus.clear()
     rig.fake.start()
     assert rig.wait_state(lambda: rig.device(uuid).state is State.HEALTHY), "the re-list has no such GPU"
-    assert eventually(lambda: rig.stats.connected()["consumer"])
+    assert poll(lambda: rig.stats.connected()["consumer"])
 
 
 # Through the App ---------------------------------------------------------------------------------------------------
@@ -363,11 +347,7 @@ def test_the_app_publishes_to_and_reads_from_the_device_api(short_socket_dir: Pa
         def external_on_gpu0() -> bool:
             d = app.state.snapshot().get(uuid)
             return d is not None and d.kubelet_health is KubeletHealth.UNHEALTHY
-        version = -1
-        deadline = time.monotonic() + 10
-        while not external_on_gpu0() and time.monotonic() < deadline:
-            version = app.state.wait_for_change(version, 0.2).version
-        assert external_on_gpu0()
+        assert wait_state(app.state, external_on_gpu0)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
             body = r.read().decode()
         samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
