@@ -30,6 +30,7 @@ from plugin.startup import StartupError, check_paths, claim_state_dir
 if TYPE_CHECKING:
     from plugin.devices.nvml import NvmlBackend
     from plugin.dra.mode import DraMode
+    from plugin.nvsentinel.deviceapi import DeviceApi
     from plugin.nvsentinel.sender import HealthEventSender
     from plugin.outlets.correlation import Correlator, Resource
     from plugin.outlets.metrics import MetricsServer
@@ -183,9 +184,12 @@ class App:
         self.nvsentinel = make_nvsentinel_sender(cfg, self.state)
         # Pods on failing devices (PodResources -> Events, annotations, evictions); None with --correlate-on none.
         self.correlator = make_correlator(cfg, self.state, self.resources)
+        # NVSentinel's device API (docs/nvsentinel.md): our health out, other providers' conditions in; None when off.
+        self.device_api = make_device_api(cfg, self.state, self.monitor)
         # /metrics, /healthz, /readyz; None with --metrics-address off.
         self.metrics_server = make_metrics_server(cfg, self.state, self.monitor, self.backend, self.supervisor,
-                                                  self.dra, self.kube_reporter, self.correlator, self.nvsentinel)
+                                                  self.dra, self.kube_reporter, self.correlator, self.nvsentinel,
+                                                  self.device_api)
         # False while a successor waits for the state dir (start(active=False)); shutdown stops only what started.
         self.active = False
 
@@ -195,6 +199,8 @@ class App:
         to that instance until ``take_over``."""
         self.cfg.state_dir.mkdir(parents=True, exist_ok=True)
         self.monitor.start(persist=active)
+        if self.device_api is not None:
+            self.device_api.start_consumer()  # a successor serving the kubelet needs the same reasons
         if active:
             self._start_health_api()
         if self.supervisor is not None:
@@ -241,6 +247,8 @@ class App:
             self.correlator.start()
         if self.nvsentinel is not None:
             self.nvsentinel.start()
+        if self.device_api is not None:
+            self.device_api.start_provider()  # only the instance owning the node writes for it
 
     def shutdown(self, timeout_s: float = 4.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -257,6 +265,8 @@ class App:
                 self.correlator.stop(timeout=0.5)
             if self.nvsentinel is not None:
                 self.nvsentinel.stop(timeout=0.5)  # a call in flight ends at its deadline (daemon thread)
+        if self.device_api is not None:
+            self.device_api.stop(timeout=0.5)
         if self.metrics_server is not None:
             self.metrics_server.stop()
         if self.active:
@@ -265,10 +275,19 @@ class App:
         self.backend.close()
 
 
+def make_device_api(cfg: Config, state: NodeState, monitor: Monitor) -> DeviceApi | None:
+    if not (cfg.device_api_provide or cfg.device_api_consume) or cfg.device_api_socket is None:
+        return None
+    from plugin.nvsentinel.deviceapi import DeviceApi, DeviceApiSettings
+    settings = DeviceApiSettings(socket=cfg.device_api_socket, label=cfg.name_of("device_api_socket"),
+                                 provide=cfg.device_api_provide, consume=cfg.device_api_consume)
+    return DeviceApi(state, monitor, settings)
+
+
 def make_metrics_server(cfg: Config, state: NodeState, monitor: Monitor, backend: Backend,
                         supervisor: Supervisor | None, dra: DraMode | None, reporter: KubeReporter | None,
-                        correlator: Correlator | None,
-                        nvsentinel: HealthEventSender | None = None) -> MetricsServer | None:
+                        correlator: Correlator | None, nvsentinel: HealthEventSender | None = None,
+                        device_api: DeviceApi | None = None) -> MetricsServer | None:
     """/metrics, /healthz and /readyz as the config asks (None with ``--metrics-address off``), with a collector for
     each part that exists: an outlet that is off has no series."""
     if cfg.metrics_address == "off":
@@ -280,7 +299,8 @@ def make_metrics_server(cfg: Config, state: NodeState, monitor: Monitor, backend
                       registration=dra, slice_writer=dra.slice_writer.status if dra is not None else None,
                       claims=dra.driver if dra is not None else None,
                       health_streams=dra.server if dra is not None else None,
-                      nvsentinel=nvsentinel.status if nvsentinel is not None else None)
+                      nvsentinel=nvsentinel.status if nvsentinel is not None else None,
+                      device_api=device_api.stats if device_api is not None else None)
     probes = Probes(monitor, supervisor if supervisor is not None else dra, cfg.stall_threshold,
                     clock=monitor.clock)
     return MetricsServer(cfg.metrics_address, build_registry(sources), probes)

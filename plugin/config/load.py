@@ -34,7 +34,17 @@ def load(flags: Mapping[str, Any], env: Mapping[str, str], file: Path | None,
                           f"only valid with --backend simulated (the backend is {cfg.backend}{via})")
     if cfg.mode == "dra":
         check_dra(cfg)
+    check_device_api(cfg)
     return cfg
+
+
+def check_device_api(cfg: Config) -> None:
+    """NVSentinel's device API, either way, needs its socket named: there is no safe place to guess."""
+    wanted = [cfg.name_of(f) for f in ("device_api_provide", "device_api_consume") if getattr(cfg, f)]
+    if wanted and cfg.device_api_socket is None:
+        raise ConfigError(cfg.name_of("device_api_socket"),
+                          f"{' and '.join(wanted)} need{'s' if len(wanted) == 1 else ''} the device API's socket "
+                          "(NVSentinel's listens on /var/run/device-api/device.sock)")
 
 
 def check_dra(cfg: Config) -> None:

@@ -18,7 +18,7 @@ from plugin.devices.model import EventKind, Gpu, GpuEvent, Reading
 from plugin.health.config import HealthConfig
 from plugin.health.node_state import DeviceStatus, NodeState, Transition
 from plugin.health.policy import Disposition
-from plugin.health.reasons import State
+from plugin.health.reasons import Reason, State
 from plugin.health.store import Persister, StateStore
 from plugin.health.tracker import DeviceTracker
 
@@ -41,6 +41,10 @@ class Monitor:
         self._mig_trackers: dict[str, DeviceTracker] = {}
         self._gpus: dict[str, Gpu] = {}
         self._saved: dict[str, Any] = {}
+        # Reasons another health provider gives a GPU (set_external), by lowercased UUID, and when each GPU's set
+        # last changed. Not tracked, latched or saved: their source holds them and sends them again on reconnect.
+        self._external: dict[str, tuple[Reason, ...]] = {}
+        self._external_at: dict[str, float] = {}
         self._poll_now = threading.Event()
         self._threads: list[threading.Thread] = []
         self.store = store
@@ -97,6 +101,25 @@ class Monitor:
 
     def request_poll(self) -> None:
         self._poll_now.set()
+
+    def set_external(self, uuid: str, reasons: Sequence[Reason]) -> list[Transition]:
+        """Replace the reasons another provider gives GPU ``uuid`` (any case; its MIG devices inherit them) and
+        publish at once. The GPU's state is the worst of ours and theirs. A GPU not (yet) discovered keeps them
+        until it is."""
+        key = uuid.lower()
+        new = tuple(reasons)
+        with self._lock:
+            if self._external.get(key, ()) == new:
+                return []
+            if new:
+                self._external[key] = new
+            else:
+                self._external.pop(key, None)
+            self._external_at[key] = self.clock()
+            transitions = self._publish_locked(self.clock())
+        if transitions and self.persister is not None:
+            self.persister.mark_dirty()  # the history in the state file
+        return transitions
 
     # Loops ----------------------------------------------------------------------------------------------------
 
@@ -245,10 +268,19 @@ class Monitor:
         for uuid, tracker in sorted(self._trackers.items(), key=lambda kv: self._gpus[kv[0]].index):
             gpu = self._gpus[uuid]
             state, reasons = tracker.update(now)
-            statuses.append(DeviceStatus(uuid, gpu, state, reasons, tracker.since, mapping[state]))
+            since = tracker.since
+            external = self._external.get(uuid.lower(), ())
+            if external:
+                state = State.worst(state, *(r.severity for r in external))
+                reasons = reasons + external
+            if uuid.lower() in self._external_at:
+                # The state may have moved with the other provider's reasons: the node state keeps the older
+                # ``since`` while the state holds, so the later of the two moments is right either way.
+                since = max(since, self._external_at[uuid.lower()])
+            statuses.append(DeviceStatus(uuid, gpu, state, reasons, since, mapping[state]))
             for mig in gpu.mig_devices:
                 own = self._mig_trackers.get(f"{uuid}/{mig.uuid}")
-                m_state, m_reasons, m_since = state, reasons, tracker.since
+                m_state, m_reasons, m_since = state, reasons, since
                 if own is not None:
                     o_state, o_reasons = own.update(now)
                     m_state = State.worst(state, o_state)

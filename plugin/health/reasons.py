@@ -52,11 +52,14 @@ _ACTION_RANK = {a: i for i, a in enumerate(ACTIONS)}
 
 
 class Source(StrEnum):
-    """Where a condition was seen. A condition is one or the other; a table row may document both."""
+    """Where a condition was seen. A condition is one or the other; a table row may document both. ``external``:
+    another health provider said it (NVSentinel's device API, docs/nvsentinel.md); no table row, its severity and
+    action come with it."""
 
     EVENT = "event"
     POLL = "poll"
     POLL_OR_EVENT = "poll/event"
+    EXTERNAL = "external"
 
 
 @dataclass(frozen=True)

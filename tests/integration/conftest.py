@@ -11,6 +11,7 @@ from plugin.app import App
 from plugin.config import Config
 from plugin.devtools.standin import KubeletStandin
 from plugin.health.config import HealthConfig
+from plugin.health.node_state import NodeState
 from tests.conftest import NodeFile
 
 
@@ -26,15 +27,20 @@ class Env:
         return self.kubelet.wait_for(predicate, timeout)  # type: ignore[arg-type]
 
     def wait_state(self, predicate: object, timeout: float = 10.0) -> bool:
-        import time
+        return wait_state(self.app.state, predicate, timeout)
 
-        deadline = time.monotonic() + timeout
-        version = -1
-        while not predicate():  # type: ignore[operator]
-            if time.monotonic() > deadline:
-                return False
-            version = self.app.state.wait_for_change(version, 0.2).version
-        return True
+
+def wait_state(state: NodeState, predicate: object, timeout: float = 10.0) -> bool:
+    """Re-check ``predicate`` at each change of the node state until it holds or the deadline passes."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    version = -1
+    while not predicate():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            return False
+        version = state.wait_for_change(version, 0.2).version
+    return True
 
 
 def make_config(root: Path, node: NodeFile, dev_root: Path, **extra: object) -> Config:

@@ -25,6 +25,8 @@ CORRELATION = {"plugin.outlets.correlation", "api.podresources.v1.api_pb2"}
 NVML = {"pynvml", "plugin.devices.nvml"}
 NVSENTINEL_EVENTS = {"plugin.nvsentinel.sender", "plugin.nvsentinel.healthevents",
                      "api.nvsentinel.platformconnector.health_event_pb2"}
+DEVICE_API = {"plugin.nvsentinel.deviceapi", "plugin.nvsentinel.gpuconditions",
+              "api.nvsentinel.deviceapi.v1alpha1.gpu_pb2"}
 
 PROBE = textwrap.dedent("""
     import json, sys
@@ -72,6 +74,7 @@ def test_defaults_import_no_reporting_no_yaml_no_nvml(tmp_path: Path) -> None:
     assert "yaml" not in mods, "no config file was given"
     assert not mods & NVML
     assert not mods & NVSENTINEL_EVENTS, "NVSentinel interop is off without a socket"
+    assert not mods & DEVICE_API, "NVSentinel's device API is off unless asked for"
     assert METRICS.issubset(mods) and CORRELATION.issubset(mods), "both are on by default"
     assert not mods & METRICS_NEVER, "the metrics outlet writes its formats and serves HTTP on its own"
 
@@ -92,3 +95,9 @@ def test_reporting_on_imports_its_modules(tmp_path: Path) -> None:
 def test_nvsentinel_events_on_imports_the_sender(tmp_path: Path) -> None:
     # No connector listens: the sender only notes the missing socket, which is enough to show what it loaded.
     assert NVSENTINEL_EVENTS.issubset(modules_after_start(tmp_path, nvsentinel_socket=str(tmp_path / "nv.sock")))
+
+
+def test_the_device_api_on_imports_its_modules(tmp_path: Path) -> None:
+    # No server listens there: the consumer only retries, which is enough to have loaded what it runs on.
+    mods = modules_after_start(tmp_path, device_api_socket=str(tmp_path / "device.sock"), device_api_consume="true")
+    assert DEVICE_API.issubset(mods)

@@ -374,6 +374,7 @@ PURE = (
     "plugin.dra.slices", "plugin.kube.ratelimit", "plugin.kube.events", "plugin.kube.views",
     "plugin.options.durations", "plugin.options.selectors", "plugin.sharing.model", "plugin.sharing.config",
     "plugin.nvsentinel.healthevents",
+    "plugin.nvsentinel.gpuconditions",
 )
 # What a pure core may not import: the clock, threads, processes, files and the network, and our own modules that
 # do I/O (the API client's transport, sockets, the file writer).

@@ -17,6 +17,7 @@ from plugin.health.reasons import State
 from plugin.outlets.metrics.sources import (
     ClaimCounters,
     CorrelationCounters,
+    DeviceApiCounters,
     HealthStreamCount,
     MonitorStats,
     NodeHistory,
@@ -337,6 +338,36 @@ class NvsentinelCollector:
                           value=1.0 if s.connected else 0.0)
         yield GaugeFamily("gpu_health_nvsentinel_pending_checks",
                           "checks whose current state NVSentinel does not have yet", value=s.pending_checks)
+class DeviceApiCollector:
+    """NVSentinel's device API: the provider's writes, each role's connection, the external reasons held and the
+    malformed conditions refused. Every label value is from a closed set, each present from the start."""
+
+    def __init__(self, stats: DeviceApiCounters) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterable[Family]:
+        s = self._stats
+        writes = CounterFamily("gpu_health_device_api_writes",
+                               "device API writes by operation (create, update-status) and result (ok, exists, "
+                               "conflict: ABORTED and read again, not-found, error)", labels=["operation", "result"])
+        for (operation, result), n in sorted(s.writes().items()):
+            writes.add_metric([label_code(operation), label_code(result)], n)
+        yield writes
+        connected = GaugeFamily("gpu_health_device_api_connected",
+                                "1 while the role's last call to the device API (provider) or its watch (consumer) "
+                                "succeeded", labels=["role"])
+        for role, up in sorted(s.connected().items()):
+            connected.add_metric([role], 1.0 if up else 0.0)
+        yield connected
+        yield GaugeFamily("gpu_health_device_api_external_reasons",
+                          "reasons other providers' conditions on the device API give our GPUs now",
+                          value=s.external_reasons)
+        rejected = CounterFamily("gpu_health_device_api_rejected_conditions",
+                                 "conditions (or GPUs, or watch events) from the device API skipped as malformed, by "
+                                 "kind", labels=["kind"])
+        for kind, n in sorted(s.rejections().items()):
+            rejected.add_metric([label_code(kind)], n)
+        yield rejected
 
 
 @dataclass(frozen=True)
@@ -358,6 +389,7 @@ class Sources:
     claims: ClaimCounters | None = None  # the DRA driver
     health_streams: HealthStreamCount | None = None  # the DRA server
     nvsentinel: Callable[[], NvsentinelCounters] | None = None  # the NVSentinel sender's status
+    device_api: DeviceApiCounters | None = None  # NVSentinel's device API, when either role is on
 
 
 def collectors(sources: Sources) -> list[Collector]:
@@ -382,6 +414,8 @@ def collectors(sources: Sources) -> list[Collector]:
         out.append(CorrelationCollector(sources.correlation))
     if sources.nvsentinel is not None:
         out.append(NvsentinelCollector(sources.nvsentinel))
+    if sources.device_api is not None:
+        out.append(DeviceApiCollector(sources.device_api))
     return out
 
 

@@ -246,3 +246,17 @@ class NvsentinelCounters(Protocol):
 
     @property
     def pending_checks(self) -> int: ...
+# NVSentinel's device API --------------------------------------------------------------------------------------------
+
+class DeviceApiCounters(Protocol):
+    """The device API's provider and consumer: writes by (operation, result), whether each role is connected, the
+    reasons other providers give our GPUs now, and the conditions refused as malformed, by kind."""
+
+    def writes(self) -> Mapping[tuple[str, str], int]: ...
+
+    def connected(self) -> Mapping[str, bool]: ...
+
+    @property
+    def external_reasons(self) -> int: ...
+
+    def rejections(self) -> Mapping[str, int]: ...
