@@ -62,7 +62,7 @@ class Monitor:
         if store is not None:
             saved = store.load()
             self._saved = dict(saved.get("devices", {}))
-            state.restore_history(Transition.from_dict(t) for t in saved.get("transitions", []))
+            state.restore_history(_readable_transitions(saved.get("transitions", [])))
             self.persister = Persister(store, self._collect, stop)
 
     # Lifecycle ------------------------------------------------------------------------------------------------
@@ -300,6 +300,20 @@ class Monitor:
             devices = {k: v for k, v in self._saved.items() if _worth_keeping(v)}
             devices.update({k: t.to_dict() for k, t in {**self._trackers, **self._mig_trackers}.items()})
         return {"devices": devices, "transitions": [t.to_dict() for t in self.state.history()[-256:]]}
+
+
+def _readable_transitions(saved: list[Any]) -> list[Transition]:
+    """The saved transitions this release can read. One written by a later release (a reason source or state added
+    since) is skipped with a line, not raised: after a rollback the plugin must start, and the history is a record
+    for resuming watchers, not state a verdict depends on."""
+    out: list[Transition] = []
+    for entry in saved:
+        try:
+            out.append(Transition.from_dict(entry))
+        except (KeyError, TypeError, ValueError) as exc:
+            log.warning("saved transition %s skipped: this release cannot read it (%s)",
+                        entry.get("seq", "?") if isinstance(entry, dict) else "?", exc)
+    return out
 
 
 def _worth_keeping(saved: dict[str, Any]) -> bool:

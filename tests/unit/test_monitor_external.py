@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from plugin.health.reasons import Action, KubeletHealth, Reason, Source, State
 from tests.unit.test_monitor import MIG, Node, gpu_doc
 
@@ -73,3 +75,22 @@ def test_external_reasons_are_not_saved_nor_latched(tmp_path: Path) -> None:
     node.restart()
     node.poll()
     assert node.device(UUID).state is State.HEALTHY, "the source sends them again; a restart does not keep them"
+
+
+def test_a_saved_transition_this_release_cannot_read_is_skipped_not_fatal(tmp_path: Path,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    # A later release may save a reason source or state this one does not know (as this release added "external"):
+    # after a rollback the plugin must still start, keeping every transition it can read.
+    node = Node(tmp_path, [gpu_doc(0)])
+    node.poll()
+    node.monitor.set_external(UUID, [external()])
+    node.save()
+    path = node.state_dir / "state.json"
+    saved = json.loads(path.read_text())
+    readable = len(saved["transitions"])
+    assert readable >= 2
+    saved["transitions"][-1]["reasons"][0]["source"] = "from-a-later-release"
+    path.write_text(json.dumps(saved))
+    node.restart()
+    assert [t.seq for t in node.state.history()] == [t["seq"] for t in saved["transitions"][:-1]]
+    assert any("skipped" in r.getMessage() and "from-a-later-release" in r.getMessage() for r in caplog.records)
