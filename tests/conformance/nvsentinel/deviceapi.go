@@ -218,9 +218,8 @@ func (d *deviceServer) UpdateGpu(_ context.Context, in *deviceapi.UpdateGpuReque
 	if err := checkVersion(current, in.Gpu.ResourceVersion); err != nil {
 		return nil, err
 	}
-	// Like a Kubernetes update, the spec is replaced and the status (written by UpdateGpuStatus) is kept.
-	next := proto.Clone(current).(*deviceapi.Gpu)
-	next.Spec = proto.Clone(in.Gpu.GetSpec()).(*deviceapi.GpuSpec)
+	// NVSentinel documents UpdateGpu as replacing the whole GPU, status included (UpdateGpuStatus is for status).
+	next := proto.Clone(in.Gpu).(*deviceapi.Gpu)
 	if err := d.commit("update", "MODIFIED", next); err != nil {
 		return nil, err
 	}
