@@ -129,6 +129,17 @@ def test_status_write_replaces_the_status_and_refuses_a_stale_version(peer: Nvse
     assert writes[-1]["status"] == {"conditions": [{"type": "OurHealth", "status": "True"}]}
 
 
+def test_update_replaces_the_whole_gpu_and_refuses_a_stale_version(devices: DeviceApiClient) -> None:
+    name = devices.create(UUID0).gpu.metadata.name
+    read = devices.set_condition(name, "TheirCheck", "False")
+    moved = gpu_pb2.Gpu(metadata=gpu_pb2.ObjectMeta(name=name), spec=gpu_pb2.GpuSpec(uuid=UUID1),
+                        resource_version=read.resource_version)
+    updated = devices.stub.UpdateGpu(gpu_pb2.UpdateGpuRequest(gpu=moved), timeout=10).gpu
+    assert updated.spec.uuid == UUID1 and not updated.status.conditions  # spec and status both replaced
+    req = gpu_pb2.UpdateGpuRequest(gpu=moved)  # still names the version read before the update
+    assert rpc_code(lambda: devices.stub.UpdateGpu(req, timeout=10)) == grpc.StatusCode.ABORTED
+
+
 def test_watch_sends_every_gpu_as_added_then_each_change(devices: DeviceApiClient) -> None:
     devices.create(UUID1)
     devices.create(UUID0)
