@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
@@ -14,7 +13,7 @@ from api.nvsentinel.deviceapi.v1alpha1 import gpu_pb2
 from api.nvsentinel.platformconnector import health_event_pb2 as pb
 from api.nvsentinel.platformconnector import health_event_pb2_grpc as pb_grpc
 from scripts import gen_go_peer
-from tests.conformance.nvsentinel.peer import DeviceApiClient, NvsentinelPeer, build_peer
+from tests.conformance.nvsentinel.peer import DeviceApiClient, NvsentinelPeer
 from tests.conformance.skips import build_or_skip
 
 pytestmark = pytest.mark.conformance
@@ -23,16 +22,9 @@ UUID0 = "GPU-5A1E0000-0000-4000-8000-000000000000"
 UUID1 = "GPU-5A1E0000-0000-4000-8000-000000000001"
 
 
-@pytest.fixture(scope="module")
-def peer_exe() -> Path:
-    return build_peer()
-
-
 @pytest.fixture
-def peer(peer_exe: Path, short_socket_dir: Path) -> Iterator[NvsentinelPeer]:
-    p = NvsentinelPeer(peer_exe, short_socket_dir).start()
-    yield p
-    p.stop()
+def peer(nvsentinel_peer: NvsentinelPeer) -> NvsentinelPeer:
+    return nvsentinel_peer
 
 
 @pytest.fixture

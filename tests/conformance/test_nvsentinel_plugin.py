@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.conformance.nvsentinel.peer import DeviceApiClient, Event, NvsentinelPeer, build_peer, poll
+from tests.conformance.nvsentinel.peer import DeviceApiClient, Event, NvsentinelPeer, poll
 from tests.conftest import NodeFile
 
 pytestmark = pytest.mark.conformance
@@ -76,16 +76,9 @@ class Plugin:
         return out
 
 
-@pytest.fixture(scope="module")
-def peer_exe() -> Path:
-    return build_peer()
-
-
 @pytest.fixture
-def peer(peer_exe: Path, short_socket_dir: Path) -> Iterator[NvsentinelPeer]:
-    p = NvsentinelPeer(peer_exe, short_socket_dir).start()
-    yield p
-    p.stop()
+def peer(nvsentinel_peer: NvsentinelPeer) -> NvsentinelPeer:
+    return nvsentinel_peer
 
 
 @pytest.fixture
