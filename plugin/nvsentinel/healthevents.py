@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from api.nvsentinel.platformconnector import health_event_pb2 as pb
+from plugin.devices.model import Gpu
 from plugin.health.node_state import Snapshot
 from plugin.health.reasons import REASONS, Action, Reason, State, worst_first
 
@@ -122,6 +123,7 @@ class CheckState:
     codes: tuple[str, ...] = ()  # our reason codes, worst first
     action: Action = Action.NONE  # the worst reason's
     message: str = field(default="", compare=False)
+    gpu_index: int = field(default=0, compare=False)  # NVSentinel's GPU entity; fixed for a UUID while we run
 
     @property
     def healthy(self) -> bool:
@@ -134,17 +136,17 @@ class CheckState:
     def recovered(self) -> CheckState:
         """The event that closes this check in NVSentinel: the same check and entities, healthy."""
         return CheckState(self.gpu_uuid, self.pci_bus_id, self.check, State.HEALTHY,
-                          message=f"{self.check}: no fault on this GPU any more")
+                          message=f"{self.check}: no fault on this GPU any more", gpu_index=self.gpu_index)
 
 
 def gpu_checks(snapshot: Snapshot) -> tuple[set[str], dict[tuple[str, str], CheckState]]:
     """The physical GPUs of a snapshot, and every check that has a reason on one of them now (a check not listed is
     healthy). A MIG device's reasons count for its parent GPU: NVSentinel knows GPUs (its entities are the GPU UUID
     and PCI address), and quarantining or resetting acts on the whole GPU anyway."""
-    gpus: dict[str, str] = {}
+    gpus: dict[str, Gpu] = {}
     reasons: dict[tuple[str, str], list[Reason]] = {}
     for d in snapshot.devices:
-        gpus[d.gpu.uuid] = d.gpu.pci_bus_id
+        gpus[d.gpu.uuid] = d.gpu
         for r in d.reasons:
             check = check_of(r.code)
             if check is not None:
@@ -154,8 +156,9 @@ def gpu_checks(snapshot: Snapshot) -> tuple[set[str], dict[tuple[str, str], Chec
         ordered = _distinct(worst_first(rs))
         worst = ordered[0]
         more = f" (+{len(ordered) - 1} more)" if len(ordered) > 1 else ""
-        out[(uuid, check)] = CheckState(uuid, gpus[uuid], check, worst.severity, tuple(r.code for r in ordered),
-                                        worst.action, worst.message + more)
+        out[(uuid, check)] = CheckState(uuid, gpus[uuid].pci_bus_id, check, worst.severity,
+                                        tuple(r.code for r in ordered), worst.action, worst.message + more,
+                                        gpus[uuid].index)
     return set(gpus), out
 
 
@@ -167,13 +170,26 @@ def _distinct(ordered: Iterable[Reason]) -> tuple[Reason, ...]:
     return tuple(seen.values())
 
 
+def pci_address(bus_id: str) -> str:
+    """A PCI address as NVSentinel writes it: NVML's bus id with the domain cut to four hex digits, in lower case
+    (``00000000:17:00.0`` -> ``0000:17:00.0``), so our entities match the ones its other monitors send."""
+    parts = bus_id.split(":")
+    if len(parts) != 3:
+        return bus_id.lower()
+    return ":".join((parts[0][-4:], parts[1], parts[2])).lower()
+
+
 def to_event(c: CheckState, *, node_name: str, now: float, store_only: bool) -> pb.HealthEvent:
     """The health event for one check at ``now`` (unix seconds)."""
     ts = Timestamp()
     ts.FromNanoseconds(int(now * 1e9))
-    entities = [pb.Entity(entityType="GPU", entityValue=c.gpu_uuid)]
+    # As NVSentinel's own GPU monitor names a GPU: its index, its PCI address and its UUID. The UUID entity is what
+    # its drain and GPU-reset remediation act on (COMPONENT_RESET without it fails there), and its quarantine
+    # closes a check only on a healthy event with exactly the same entities, so these never vary for one GPU.
+    entities = [pb.Entity(entityType="GPU", entityValue=str(c.gpu_index))]
     if c.pci_bus_id:
-        entities.append(pb.Entity(entityType="PCI", entityValue=c.pci_bus_id))
+        entities.append(pb.Entity(entityType="PCI", entityValue=pci_address(c.pci_bus_id)))
+    entities.append(pb.Entity(entityType="GPU_UUID", entityValue=c.gpu_uuid))
     return pb.HealthEvent(
         version=EVENT_VERSION, agent=AGENT, componentClass=COMPONENT_CLASS, checkName=c.check,
         isFatal=is_fatal(c.state), isHealthy=c.healthy, message=c.message,

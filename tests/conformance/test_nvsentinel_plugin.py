@@ -2,10 +2,11 @@
 conditions through the device API, as provider and as consumer. Black box: the CLI, a simulated node file, the peer's
 records; the plugin's own code and counters are never looked at.
 
-Fixed by the interop contract and asserted here: the GPU's UUID among entitiesImpacted, isHealthy/isFatal,
-errorCode, recommendedAction, processingStrategy, agent, componentClass, a device-API GPU per GPU named by its
-lowercased UUID, and external-<type> reason codes. The checkName values and our condition type are the sender's and
-the provider's choice, so they are compared with themselves (the same checkName clears what it raised).
+Asserted here as docs/nvsentinel.md states it: the GPU named as NVSentinel's own GPU monitor names it (index, PCI
+address, GPU_UUID), isHealthy/isFatal, errorCode, recommendedAction, processingStrategy, agent, componentClass, the
+same checkName and entities clearing what they raised; a device-API GPU per GPU named by its lowercased UUID, our one
+condition type, and another provider's failing condition (NVSentinel's providers say False for a GPU they find unfit)
+as an external-<type> reason.
 """
 
 from __future__ import annotations
@@ -95,9 +96,8 @@ def start_plugin(peer: NvsentinelPeer, short_socket_dir: Path) -> Iterator[Calla
 
 
 def about(uuid: str) -> Callable[[Event], bool]:
-    """Events naming this GPU by UUID (NVSentinel's own monitors say GPU_UUID; the contract here says GPU)."""
-    return lambda e: any(x["entityValue"] == uuid and x["entityType"] in ("GPU", "GPU_UUID")
-                         for x in e["entitiesImpacted"])
+    """Events naming this GPU by UUID, as NVSentinel's GPU reset and drain look it up."""
+    return lambda e: any(x["entityValue"] == uuid and x["entityType"] == "GPU_UUID" for x in e["entitiesImpacted"])
 
 
 def unhealthy(uuid: str) -> Callable[[Event], bool]:
@@ -131,6 +131,9 @@ def test_xid79_reaches_the_platform_connector_as_a_fatal_restart_bm_event(peer: 
     assert any("79" in code for code in event["errorCode"]), event["errorCode"]
     assert event["recommendedAction"] == "RESTART_BM"
     assert (event["agent"], event["componentClass"]) == (AGENT, "GPU")
+    entities = [(x["entityType"], x["entityValue"]) for x in event["entitiesImpacted"]]
+    assert entities[0] == ("GPU", "0") and entities[-1] == ("GPU_UUID", plugin.uuid(0))
+    assert [t for t, _ in entities] in (["GPU", "GPU_UUID"], ["GPU", "PCI", "GPU_UUID"])
     assert event["nodeName"] and event["checkName"]
     assert event["processingStrategy"] == "EXECUTE_REMEDIATION"
     assert event["rawProcessingStrategy"] in ("UNSPECIFIED", "EXECUTE_REMEDIATION")
@@ -220,7 +223,9 @@ def test_every_gpu_is_in_the_device_api_and_a_fault_writes_our_condition(peer: N
         name = plugin.uuid(0).lower()
         poll(lambda: any("79" in c.reason + c.message for c in client.get(name).status.conditions), 30,
              "our condition on GPU 0")
-        assert client.get(name).status.recommended_action
+        [ours] = client.get(name).status.conditions
+        assert (ours.type, ours.status, ours.reason) == ("gpu-health.io/GPUHealthy", "False", "Xid79")
+        assert client.get(name).status.recommended_action == "reboot-node"
         assert not any("79" in c.reason + c.message for c in client.get(plugin.uuid(1).lower()).status.conditions)
     assert not [c for c in plugin.codes(0) if c.startswith("external-")]  # our own condition read back is not news
 
@@ -231,14 +236,16 @@ def test_another_providers_failing_condition_is_a_reason_until_cleared(peer: Nvs
     registered(peer, plugin)
     name = plugin.uuid(1).lower()
     with DeviceApiClient(peer.device_socket) as other:
-        other.set_condition(name, "SyslogXidError", "True", reason="XID13", message="another monitor's finding")
+        # As NVSentinel's NVML provider marks a GPU after a critical XID: its own condition type, False.
+        other.set_condition(name, "NVMLReady", "False", reason="XidError", message="Critical XID error 48 detected")
         codes = poll(lambda: [c for c in plugin.codes(1) if c.startswith("external-")], 30,
                      "an external- reason on GPU 1")
-        assert len(codes) == 1 and "xid" in codes[0].lower()
+        assert codes == ["external-nvml-ready"]
+        assert plugin.status()[plugin.uuid(1)]["state"] == "Unhealthy"
         assert not [c for c in plugin.codes(0) if c.startswith("external-")]
-        other.clear_condition(name, "SyslogXidError")
+        other.set_condition(name, "NVMLReady", "True", reason="Initialized", message="fine again")
         poll(lambda: not [c for c in plugin.codes(1) if c.startswith("external-")], 30,
-             "the external- reason on GPU 1 gone")
+             "the external- reason on GPU 1 gone once its provider says True")
         append_xid(plugin, 0, 79)  # our own condition, written and read back, is never external
         poll(lambda: any("79" in c.reason + c.message for c in other.get(plugin.uuid(0).lower()).status.conditions),
              30, "our condition on GPU 0")

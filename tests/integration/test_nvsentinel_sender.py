@@ -52,8 +52,12 @@ def sender(node: Node, sock: Path, **kw: object) -> HealthEventSender:
     return HealthEventSender(node.state, settings, wall=lambda: 1_767_225_600.0, rng=random.Random(7))
 
 
+def uuid_of(e: pb.HealthEvent) -> str:
+    return next(x.entityValue for x in e.entitiesImpacted if x.entityType == "GPU_UUID")
+
+
 def checks(batch: pb.HealthEvents) -> list[tuple[str, str, bool, bool]]:
-    return [(e.entitiesImpacted[0].entityValue, e.checkName, e.isHealthy, e.isFatal) for e in batch.events]
+    return [(uuid_of(e), e.checkName, e.isHealthy, e.isFatal) for e in batch.events]
 
 
 def test_a_transition_is_sent_as_the_table_says_and_its_recovery_closes_the_same_check(
@@ -68,7 +72,7 @@ def test_a_transition_is_sent_as_the_table_says_and_its_recovery_closes_the_same
     assert (e.agent, e.checkName, e.isFatal, e.isHealthy, list(e.errorCode)) == (AGENT, XID, True, False, ["79"])
     assert e.recommendedAction == pb.RESTART_BM and e.nodeName == "gpu-node-1"
     assert e.processingStrategy == pb.EXECUTE_REMEDIATION
-    assert e.entitiesImpacted[0].entityValue == node.gpus[2].uuid
+    assert uuid_of(e) == node.gpus[2].uuid
     assert s.status().events_sent == 1 and s.status().connected and s.status().pending_checks == 0
 
     node.set(2, State.HEALTHY, now=T0 + 2)
@@ -195,7 +199,7 @@ def test_a_missing_socket_is_one_line_and_a_count(node: Node, sock: Path, caplog
     try:
         node.set(3, State.DEGRADED, "thermal-slowdown", now=now - 1)
         s.step(now - 1)
-        assert {e.entitiesImpacted[0].entityValue for e in fake.events} == {node.gpus[0].uuid, node.gpus[3].uuid}
+        assert {uuid_of(e) for e in fake.events} == {node.gpus[0].uuid, node.gpus[3].uuid}
     finally:
         fake.stop()
 
@@ -273,7 +277,7 @@ def test_a_simulated_fault_reaches_nvsentinel_as_the_mapped_event(app_env: Env, 
     try:
         e.node.set(1, ecc_uncorrected_volatile=2)  # a state change wakes the sender: it finds the socket
         assert fake.wait_for(lambda: len(fake.events) >= 2), fake.events
-        by_gpu = {ev.entitiesImpacted[0].entityValue: ev for ev in fake.events}
+        by_gpu = {uuid_of(ev): ev for ev in fake.events}
         xid = by_gpu[uuid4]
         assert (xid.checkName, xid.isFatal, list(xid.errorCode), xid.recommendedAction) == (
             XID, True, ["79"], pb.RESTART_BM)

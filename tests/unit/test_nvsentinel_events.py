@@ -26,6 +26,7 @@ from plugin.nvsentinel.healthevents import (
     check_of,
     gpu_checks,
     mapping_rows,
+    pci_address,
     to_event,
 )
 from tests.fakes.node_devices import gpu, status
@@ -86,8 +87,11 @@ def test_an_unhealthy_xid_becomes_a_fatal_event_with_the_xid_number() -> None:
     assert e.isFatal and not e.isHealthy
     assert list(e.errorCode) == ["79"]
     assert e.recommendedAction == pb.RESTART_BM
-    assert [(x.entityType, x.entityValue) for x in e.entitiesImpacted] == [("GPU", g.uuid),
-                                                                         ("PCI", "00000000:17:00.0")]
+    # As NVSentinel's GPU monitor names a GPU (its index, PCI address cut to a 4-digit domain, UUID): its GPU reset
+    # needs the GPU_UUID entity, and its quarantine matches a recovery by exactly these entities.
+    assert [(x.entityType, x.entityValue) for x in e.entitiesImpacted] == [("GPU", str(g.index)),
+                                                                         ("PCI", "0000:17:00.0"),
+                                                                         ("GPU_UUID", g.uuid)]
     assert e.nodeName == "node-a" and e.version == 1
     assert e.generatedTimestamp.ToNanoseconds() == int((NOW + 0.5) * 1e9)
     assert e.processingStrategy == pb.EXECUTE_REMEDIATION
@@ -137,7 +141,7 @@ def test_a_mig_devices_reasons_are_charged_to_its_parent() -> None:
     assert gpus == {g.uuid}
     assert list(checks) == [(g.uuid, XID)]
     e = to_event(checks[(g.uuid, XID)], node_name="n", now=NOW, store_only=False)
-    assert [x.entityValue for x in e.entitiesImpacted if x.entityType == "GPU"] == [g.uuid]
+    assert [x.entityValue for x in e.entitiesImpacted if x.entityType == "GPU_UUID"] == [g.uuid]
     assert list(e.errorCode) == ["31"], "one code though two MIG devices carry it"
     assert "PCI" not in [x.entityType for x in e.entitiesImpacted], "no PCI entity without an address"
 
@@ -172,3 +176,13 @@ def test_changes_send_only_what_nvsentinel_does_not_hold() -> None:
     assert changes(now, gpus, moved) == []
     # A GPU gone from the snapshot: its open check is left as it is, not declared recovered.
     assert changes(now, {g1.uuid}, {(g1.uuid, THERMAL): now[(g1.uuid, THERMAL)]}) == []
+
+
+@pytest.mark.parametrize(("bus_id", "address"), [
+    ("00000000:17:00.0", "0000:17:00.0"),  # NVML's 8-digit domain, cut as NVSentinel's metadata collector cuts it
+    ("0000:AB:00.0", "0000:ab:00.0"),
+    ("0001:17:00.0", "0001:17:00.0"),
+    ("not-a-bus-id", "not-a-bus-id"),
+])
+def test_pci_addresses_are_written_as_nvsentinel_writes_them(bus_id: str, address: str) -> None:
+    assert pci_address(bus_id) == address

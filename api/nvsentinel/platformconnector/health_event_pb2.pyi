@@ -107,7 +107,7 @@ class Entity(_message.Message):
     ENTITYTYPE_FIELD_NUMBER: _builtins.int
     ENTITYVALUE_FIELD_NUMBER: _builtins.int
     entityType: _builtins.str
-    """"GPU" with a GPU UUID, "PCI" with a PCI bus address"""
+    """what NVSentinel's GPU monitor sends: "GPU" (index), "PCI" (address), "GPU_UUID" """
     entityValue: _builtins.str
     def __init__(
         self,

@@ -206,7 +206,7 @@ func (x *HealthEvents) GetEvents() []*HealthEvent {
 
 type Entity struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
-	EntityType    string                 `protobuf:"bytes,1,opt,name=entityType,proto3" json:"entityType,omitempty"` // "GPU" with a GPU UUID, "PCI" with a PCI bus address
+	EntityType    string                 `protobuf:"bytes,1,opt,name=entityType,proto3" json:"entityType,omitempty"` // what NVSentinel's GPU monitor sends: "GPU" (index), "PCI" (address), "GPU_UUID"
 	EntityValue   string                 `protobuf:"bytes,2,opt,name=entityValue,proto3" json:"entityValue,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
