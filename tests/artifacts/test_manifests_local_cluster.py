@@ -23,7 +23,7 @@ from tests.artifacts.test_manifests import (
 
 __all__ = ["kubectl"]  # the fixture, shared with test_manifests
 
-OVERLAYS = ("local-cluster", "local-cluster-remediation")
+OVERLAYS = ("local-cluster", "local-cluster-remediation", "local-cluster-nvsentinel")
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +50,14 @@ def test_valid_and_accepted_by_the_plugin(rendered: dict[str, list[dict[str, Any
     assert host["pod-resources"] == str(layout.kubelet_root / "pod-resources")
     assert host["device-plugins"] == str(lc.DEVICE_PLUGIN_DIR)
     assert host["node"] == str(layout.node_dir) and host["devroot"] == str(layout.dev_root)
+    if overlay == "local-cluster-nvsentinel":
+        # NVSentinel's stand-in serves both sockets from one directory of the cluster's (tests/e2e).
+        assert host["nvsentinel"] == host["device-api"] == str(layout.work / "nvsentinel")
+        assert (cfg.nvsentinel_socket, cfg.device_api_socket) == (Path("/var/run/nvsentinel/nvsentinel.sock"),
+                                                                  Path("/var/run/device-api/device.sock"))
+        assert cfg.device_api_provide and cfg.device_api_consume
+    else:
+        assert cfg.nvsentinel_socket is None and cfg.device_api_socket is None
     env = {e["name"]: e.get("value") for e in container(ds)["env"]}
     assert (env["KUBERNETES_SERVICE_HOST"], env["KUBERNETES_SERVICE_PORT"]) == ("127.0.0.1", str(lc.API_PORT))
     assert container(ds)["image"] == "localhost/gpu-health-device-plugin:0.1.0"
