@@ -98,9 +98,14 @@ def test_27_helm_uninstall_in_dra_mode_leaves_nothing_of_the_release(local: Loca
     # uninstall"): nothing is left for the scheduler to hand out.
     until("the kubelet to wipe the ResourceSlice", lambda: _slice(local) is None, timeout=120)
     assert not list(local.c.layout.cdi_dir.glob(f"{DRIVER}-*.json"))
-    # No fault ran: nothing on the Node either (no node condition in local-cluster-dra's values).
+    # Left on the Node, as docs/deploy.md says of every uninstall: the annotations the plugin wrote (it cannot tell
+    # an uninstall from a restart); no node condition, which local-cluster-dra's values turn off. The documented
+    # clean-up removes them.
+    meta = local.node_json()
+    assert [k for k in meta["metadata"].get("annotations", {}) if k.startswith("gpu-health.io/gpu.")]
+    assert not [c for c in meta["status"]["conditions"] if c["type"] == "GPUHealthy"]
+    local.c.remove_reporting()
     meta = local.node_json()
     assert not [k for k in meta["metadata"].get("annotations", {}) if k.startswith("gpu-health.io/")]
-    assert not [c for c in meta["status"]["conditions"] if c["type"] == "GPUHealthy"]
     # The namespace is not the release's (docs/deploy.md); removed, the cluster is as story 25 left it.
     local.kubectl("delete", "namespace", PLUGIN_NS, "--wait=true", timeout=200)
