@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 DEFAULT_SOCKET = Path("/var/run/device-api/device.sock")
 WATCH_METHOD = "/nvidia.device.v1alpha1.GpuService/WatchGpus"
 OPERATIONS = ("create", "update-status")
-RESULTS = ("ok", "exists", "conflict", "not-found", "error")
+RESULTS = ("ok", "exists", "conflict", "not-found", "unimplemented", "error")
 ROLES = ("provider", "consumer")
 
 
@@ -175,6 +175,11 @@ def _failure(exc: grpc.RpcError, method: str, settings: DeviceApiSettings) -> _F
     return _Failure(name.lower(), f"device API {method} failed: {name}: {detail}")
 
 
+def _result(f: _Failure) -> str:
+    """A failed write's result label: a server of another version apart from every other error."""
+    return "unimplemented" if f.kind == "unimplemented" else "error"
+
+
 def _code(exc: grpc.RpcError) -> grpc.StatusCode | None:
     return exc.code() if isinstance(exc, grpc.Call) else None
 
@@ -264,8 +269,8 @@ class DeviceApiProvider(OutletThread):
         gpu = gpu_pb2.Gpu(metadata=gpu_pb2.ObjectMeta(name=name), spec=gpu_pb2.GpuSpec(uuid=uuid))
         try:
             resp = self._call("CreateGpu", stub.CreateGpu, gpu_pb2.CreateGpuRequest(gpu=gpu))
-        except _Failure:
-            self.stats.wrote("create", "error")
+        except _Failure as f:
+            self.stats.wrote("create", _result(f))
             raise
         self.stats.wrote("create", "ok" if resp.created else "exists")
         self._created.add(name)
@@ -298,8 +303,8 @@ class DeviceApiProvider(OutletThread):
                     self.stats.wrote("update-status", "not-found")
                     self._created.discard(name)
                 continue
-            except _Failure:
-                self.stats.wrote("update-status", "error")
+            except _Failure as f:
+                self.stats.wrote("update-status", _result(f))
                 raise
             self.stats.wrote("update-status", "ok")
             self._written[name] = v

@@ -227,6 +227,15 @@ def test_a_server_of_another_version_is_named_by_the_method_it_lacks(rig: Rig,
     assert LABEL in lines[0] and "does not implement GetGpu" in lines[0]
 
 
+def test_a_write_a_server_does_not_implement_is_counted_as_such(rig: Rig) -> None:
+    # Told apart from other errors on /metrics: a version mismatch wants an upgrade, not a look at the server's logs.
+    rig.fake.unimplemented = {"CreateGpu"}
+    rig.step(advance=1.0)
+    writes = rig.stats.writes()
+    assert writes[("create", "unimplemented")] >= 1
+    assert writes[("create", "error")] == 0
+
+
 def test_a_path_that_is_not_a_socket_is_one_line_and_retried(short_socket_dir: Path,
                                                              caplog: pytest.LogCaptureFixture) -> None:
     path = short_socket_dir / "not-a-socket"

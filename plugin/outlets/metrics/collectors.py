@@ -349,7 +349,8 @@ class DeviceApiCollector:
         s = self._stats
         writes = CounterFamily("gpu_health_device_api_writes",
                                "device API writes by operation (create, update-status) and result (ok, exists, "
-                               "conflict: ABORTED and read again, not-found, error)", labels=["operation", "result"])
+                               "conflict: ABORTED and read again, not-found, unimplemented, error)",
+                               labels=["operation", "result"])
         for (operation, result), n in sorted(s.writes().items()):
             writes.add_metric([label_code(operation), label_code(result)], n)
         yield writes
