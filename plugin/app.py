@@ -150,7 +150,8 @@ def make_nvsentinel_sender(cfg: Config, state: NodeState) -> HealthEventSender |
         log.info("NVSentinel health events name the node %r: no node name set (--node-name or NODE_NAME)",
                  node_name)
     return HealthEventSender(state, SenderSettings(socket=cfg.nvsentinel_socket, node_name=node_name,
-                                                   store_only=cfg.nvsentinel_store_only))
+                                                   store_only=cfg.nvsentinel_store_only,
+                                                   acked_file=cfg.state_dir / "nvsentinel.json"))
 
 
 class App:

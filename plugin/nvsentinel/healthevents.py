@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -137,6 +138,28 @@ class CheckState:
         """The event that closes this check in NVSentinel: the same check and entities, healthy."""
         return CheckState(self.gpu_uuid, self.pci_bus_id, self.check, State.HEALTHY,
                           message=f"{self.check}: no fault on this GPU any more", gpu_index=self.gpu_index)
+
+
+def to_record(checks: Iterable[CheckState]) -> dict[str, Any]:
+    """What NVSentinel holds open from us, as the sender keeps it in the state dir across restarts."""
+    return {"version": 1, "checks": [
+        {"gpu": c.gpu_uuid, "pci": c.pci_bus_id, "index": c.gpu_index, "check": c.check, "state": c.state.value,
+         "codes": list(c.codes), "action": c.action.value} for c in checks]}
+
+
+def from_record(doc: Any) -> dict[tuple[str, str], CheckState]:
+    """The checks of :func:`to_record`; ValueError for a document this release cannot read."""
+    if not isinstance(doc, dict) or doc.get("version") != 1 or not isinstance(doc.get("checks"), list):
+        raise ValueError("not a version 1 record of acknowledged checks")
+    out: dict[tuple[str, str], CheckState] = {}
+    for item in doc["checks"]:
+        try:
+            c = CheckState(str(item["gpu"]), str(item["pci"]), str(item["check"]), State(item["state"]),
+                           tuple(str(x) for x in item["codes"]), Action(item["action"]), "", int(item["index"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"a check entry that does not read: {exc}") from None
+        out[c.key] = c
+    return out
 
 
 def gpu_checks(snapshot: Snapshot) -> tuple[set[str], dict[tuple[str, str], CheckState]]:

@@ -10,6 +10,7 @@ node with nothing to report sends nothing, ever.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -23,10 +24,11 @@ from pathlib import Path
 import grpc
 
 from api.nvsentinel.platformconnector import health_event_pb2, health_event_pb2_grpc
+from plugin.atomicfile import write_atomic
 from plugin.backoff import Backoff
 from plugin.health.node_state import NodeState
 from plugin.kube.protocols import Closeable
-from plugin.nvsentinel.healthevents import CheckState, changes, gpu_checks, to_event
+from plugin.nvsentinel.healthevents import CheckState, changes, from_record, gpu_checks, to_event, to_record
 from plugin.outlets.worker import OutletThread
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,9 @@ class SenderSettings:
     backoff_max_s: float = 60.0
     # How often an idle sender looks at the socket file, to see NVSentinel restart (a new inode) and resend.
     recheck_s: float = 10.0
+    # Where what NVSentinel holds open from us is kept across our restarts (in the state dir): a fault that clears
+    # while we are down is closed in NVSentinel by the next start, which nothing else could do.
+    acked_file: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -78,11 +83,12 @@ class HealthEventSender(OutletThread):
         self.settings = settings
         self._wall = wall
         self._backoff = Backoff(settings.backoff_initial_s, settings.backoff_max_s, jitter=True, rng=rng)
-        self._acked: dict[tuple[str, str], CheckState] = {}
+        self._acked: dict[tuple[str, str], CheckState] = self._load_acked()
         self._retry_at = 0.0
         # (device, inode, ctime) of the socket we last reached: a new file may well get the old one's inode number
         self._identity: tuple[int, int, int] | None = None
-        self._resend = False
+        # The first send carries every open check: NVSentinel may have lost what it held while we were away.
+        self._resend = True
         self._failing = ""  # the reason of the current failure streak, logged once
         self._channel: grpc.Channel | None = None
         self._lock = threading.Lock()  # the counters, read by the scrape thread
@@ -141,6 +147,7 @@ class HealthEventSender(OutletThread):
                 self._acked.pop(c.key, None)
             else:
                 self._acked[c.key] = c
+        self._save_acked()
         self._resend = False
         n = self._backoff.reset()
         if self._failing:
@@ -152,6 +159,29 @@ class HealthEventSender(OutletThread):
             self._connected = True
             self._pending = 0
         return now + self.settings.recheck_s
+
+    def _load_acked(self) -> dict[tuple[str, str], CheckState]:
+        path = self.settings.acked_file
+        if path is None:
+            return {}
+        try:
+            return from_record(json.loads(path.read_text()))
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            # Only closing checks left open across a restart depends on it; the open ones are sent again anyway.
+            log.warning("%s unreadable (%s): checks NVSentinel holds open from before this start are not closed",
+                        path, exc)
+            return {}
+
+    def _save_acked(self) -> None:
+        path = self.settings.acked_file
+        if path is None:
+            return
+        try:
+            write_atomic(path, json.dumps(to_record(self._acked.values()), separators=(",", ":")).encode())
+        except OSError as exc:
+            log.warning("cannot write %s (%s): a restart will not close checks that clear meanwhile", path, exc)
 
     def _socket(self) -> tuple[tuple[int, int, int] | None, str | None]:
         """The socket file's identity, or why there is none to send to."""

@@ -118,6 +118,44 @@ def test_open_checks_at_start_are_sent_once(sock: Path, connector: FakePlatformC
                                             (n.gpus[3].uuid, "GpuHealthThermal", False, False)])
 
 
+def test_a_check_left_open_before_a_restart_is_closed_once_the_fault_is_gone(
+        sock: Path, connector: FakePlatformConnector, tmp_path: Path) -> None:
+    """A polled fault that cleared while the plugin was down: NVSentinel still holds the check open, and only the
+    plugin can close it. What NVSentinel acknowledged is kept in the state dir for that."""
+    record = tmp_path / "state" / "nvsentinel.json"
+    n = Node(NodeState(), n=4)
+    n.set(2, State.UNHEALTHY, "ecc-uncorrected", now=T0)
+    n.set(0, State.UNHEALTHY, "xid-79", now=T0)
+    first = sender(n, sock, acked_file=record)
+    first.step(T0)
+    assert len(connector.batches) == 1
+    # The restart: GPU 2 polls clean now (its ECC counters were reset); GPU 0's latch was restored.
+    again = Node(NodeState(), n=4)
+    again.set(0, State.UNHEALTHY, "xid-79", now=T0 + 60)
+    second = sender(again, sock, acked_file=record)
+    second.step(T0 + 60)
+    second.step(T0 + 200)
+    assert len(connector.batches) == 2
+    assert sorted(checks(connector.batches[1])) == sorted([(n.gpus[2].uuid, MEMORY, True, False),
+                                                           (n.gpus[0].uuid, XID, False, True)])
+    # Nothing left to close: a third start sends only the open check again.
+    third = sender(again, sock, acked_file=record)
+    third.step(T0 + 300)
+    assert checks(connector.batches[2]) == [(n.gpus[0].uuid, XID, False, True)]
+
+
+def test_an_unreadable_record_of_acknowledged_checks_is_one_line_not_a_failure(
+        sock: Path, connector: FakePlatformConnector, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    record = tmp_path / "nvsentinel.json"
+    record.write_text("{not json")
+    n = Node(NodeState(), n=2)
+    n.set(1, State.UNHEALTHY, "xid-79", now=T0)
+    with caplog.at_level(logging.WARNING):
+        sender(n, sock, acked_file=record).step(T0)
+    assert [r.getMessage() for r in caplog.records if "nvsentinel.json" in r.getMessage()]
+    assert checks(connector.batches[0]) == [(n.gpus[1].uuid, XID, False, True)]
+
+
 def test_unavailable_backs_off_and_the_latest_state_wins(node: Node, sock: Path,
                                                          connector: FakePlatformConnector) -> None:
     s = sender(node, sock)
