@@ -531,11 +531,12 @@ def test_dra_mode_needs_api_access_and_kubernetes_1_34(helm: Path) -> None:
 
 
 @pytest.mark.parametrize("mode", ["device-plugin", "dra"])
-@pytest.mark.parametrize("arg", ["--mode=dra", "--mode", "--dra-plugin-dir=/x", "--cdi-spec-dir=/x"])
+@pytest.mark.parametrize("arg", ["--mode=dra", "--mode", "--dra-plugin-dir=/x", "--cdi-spec-dir=/x",
+                                 "--nvsentinel-socket=/x/s.sock", "--device-api-socket=/x/d.sock"])
 def test_extra_args_cannot_move_what_the_chart_mounts_and_grants(helm: Path, mode: str, arg: str) -> None:
     flag = arg.split("=")[0]
     assert _refusal(helm, (f"mode={mode}", f"extraArgs[0]={arg}")) == (
-        f"extraArgs: {flag} is set by the chart (mode, hostPaths), not by extraArgs")
+        f"extraArgs: {flag} is set by the chart (mode, hostPaths, nvsentinel, deviceApi), not by extraArgs")
 
 
 @pytest.mark.parametrize("pair", sorted(DRA_PAIRS))

@@ -111,9 +111,9 @@ would be silently ignored by the plugin or refused by it at start on every node.
 {{- define "gpu-health.checkMode" -}}
 {{- $v := .Values -}}
 {{- range $arg := $v.extraArgs }}
-{{- range list "--mode" "--dra-plugin-dir" "--dra-registry-dir" "--cdi-spec-dir" }}
+{{- range list "--mode" "--dra-plugin-dir" "--dra-registry-dir" "--cdi-spec-dir" "--nvsentinel-socket" "--device-api-socket" }}
 {{- if or (eq $arg .) (hasPrefix (printf "%s=" .) $arg) }}
-{{- fail (printf "extraArgs: %s is set by the chart (mode, hostPaths), not by extraArgs" .) }}
+{{- fail (printf "extraArgs: %s is set by the chart (mode, hostPaths, nvsentinel, deviceApi), not by extraArgs" .) }}
 {{- end }}
 {{- end }}
 {{- end }}
