@@ -142,6 +142,7 @@ class Fleet:
     node_prefix: str = "gpu-node-"
     prefix: str = DEFAULT_PREFIX
     extra_apiserver_args: Sequence[str] = ()
+    extra_etcd_args: Sequence[str] = ()
     realistic: bool = False  # True: Node objects the size of real GPU nodes' (see the module docstring)
     verbose: bool = True
     timings: dict[str, float] = field(default_factory=dict)
@@ -191,7 +192,8 @@ class Fleet:
                 "--max-requests-inflight=800",
                 "--max-mutating-requests-inflight=400",
                 *self.extra_apiserver_args,
-            ])
+            ],
+            extra_etcd_args=self.extra_etcd_args)
         self._phase("etcd + kube-apiserver ready", t)
 
         t = time.monotonic()

@@ -94,6 +94,7 @@ class ApiServerPeer:
         workdir: Path | None = None,
         ready_timeout: float = 180.0,
         extra_apiserver_args: Sequence[str] = (),
+        extra_etcd_args: Sequence[str] = (),
     ) -> ApiServerPeer:
         work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="gpu-health-apiserver-"))
         pki = work / "pki"
@@ -141,6 +142,7 @@ class ApiServerPeer:
                     f"--initial-cluster=default=http://127.0.0.1:{peer_port}",
                     "--unsafe-no-fsync",  # test data; durability does not matter
                     "--log-level=warn",
+                    *extra_etcd_args,
                 ],
             )
             peer._wait(
