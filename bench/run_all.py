@@ -111,6 +111,19 @@ METRICS = [
            lambda d: (f"{d['idle_polls']['polls_that_moved_annotations']} of {d['idle_polls']['polls']} idle polls "
                       f"moved the annotations; {d['idle_writes_per_s_if_each_poll_moved_annotations']} writes/s "
                       "if each did")),
+    Metric("Fleet (50,000 nodes, 5 % storm): agents' writes/s while idle", "fleet_50k", "0",
+           lambda d: d["aggregate_writes_per_s"]["idle"], lambda v: v == 0, "writes/s",
+           lambda d: f"{d['idle_writes_per_s_if_each_poll_moved_annotations']} writes/s if each poll moved them"),
+    Metric("Fleet (50,000 nodes, 5 % storm): Node writes/s, storm peak 1 s", "fleet_50k", "",
+           lambda d: d["aggregate_writes_per_s"]["storm_peak_1s"], None, "writes/s",
+           lambda d: (f"{d['storm']['one_write_per_transition']['peak_1s']} at one write per transition; "
+                      f"60 s avg {d['aggregate_writes_per_s']['storm_peak_60s_avg']}")),
+    Metric("Fleet (50,000 nodes, 5 % storm): Node writes/s, mean over the day", "fleet_50k", "",
+           lambda d: d["aggregate_writes_per_s"]["mean_day"], None, "writes/s",
+           lambda d: f"{d['ratio_writes']} x one-write-per-transition"),
+    Metric("Fleet (50,000 nodes, 5 % storm): Node writes + Events/s, storm peak 1 s", "fleet_50k", "",
+           lambda d: d["aggregate_writes_per_s"]["with_events_storm_peak_1s"], None, "writes/s",
+           lambda d: f"Events alone {d['storm']['events']['peak_1s']} (one per GPU transition)"),
     Metric("/metrics scrape over HTTP, 8 GPUs, p99", "metrics", "",
            lambda d: d["scrape"]["metrics_http"]["p99_ms"], None, "ms",
            lambda d: f"{d['scrape']['p50_ratio_metrics_to_healthz']} x /healthz p50 (the HTTP floor)"),
@@ -151,6 +164,7 @@ def benches(quick: bool, soak_minutes: float) -> dict[str, list[str]]:
                                                  if q else []),
         "annotations": ["bench/bench_annotations.py"] + (["--no-import-cost"] if q else []),
         "fleet": ["bench/fleet_sim.py"],
+        "fleet_50k": ["bench/fleet_sim.py", "--nodes", "50000", "--storm", "0.05"],
         "metrics": ["bench/bench_metrics.py"] + (["--scrapes", "200", "--idle", "5"] if q else ["--idle", "30"]),
         "http_abuse": ["bench/bench_http_abuse.py"] + (["--seconds", "5"] if q else []),
         "peer": ["bench/bench_kubelet_peer.py"] + (["--calls", "300"] if q else []),
