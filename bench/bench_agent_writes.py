@@ -52,6 +52,7 @@ from bench.fleet_sim import (  # noqa: E402
     event_writes,
     per_second,
     rates,
+    share,
     simulate,
     storm_changes,
     storm_device_changes,
@@ -272,20 +273,19 @@ def project(args: argparse.Namespace, out: dict[str, Any]) -> dict[str, Any]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--agents", type=int, default=300, help="nodes, each with its own agent's writer")
-    ap.add_argument("--storm", type=float, default=1.0, help="share of the agents hit by the storm")
+    ap.add_argument("--storm", type=share, default=1.0, help="share of the agents hit by the storm")
     ap.add_argument("--window", type=float, default=60.0, help="seconds within which the hit nodes' drivers go")
     ap.add_argument("--idle", type=float, default=60.0, help="seconds of idle polling measured before the storm")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--project-nodes", type=int, default=50_000)
-    ap.add_argument("--project-storm", type=float, default=0.05)
+    ap.add_argument("--project-storm", type=share, default=0.05,
+                    help="share of the projected fleet hit by the storm")
     ap.add_argument("--workdir", type=Path, help="where the fleet keeps its files (default: a new temporary dir)")
     args = ap.parse_args()
     if args.agents < 1:
         ap.error("--agents: must be at least 1")
-    for opt in ("storm", "project_storm"):
-        if not 0.0 < getattr(args, opt) <= 1.0:
-            ap.error(f"--{opt.replace('_', '-')}: a share of the nodes above 0 and at most 1, "
-                     f"not {getattr(args, opt)}")
+    if args.storm == 0:
+        ap.error("--storm: 0 hits no agent; the storm needs at least one")
     if args.window < 0:
         ap.error(f"--window: seconds, at least 0, not {args.window}")
     if args.idle < 10:
