@@ -4,8 +4,8 @@ A fleet of 50,000 Nodes is held in memory; each one's full JSON (status images, 
 kilobytes, so only these facts are kept, and kept small (issue 27; docs/benchmarks.md, "Fleet controller memory per
 Node"): the repeated strings (states, actions, codes, device and label keys, label values) are interned, so every
 Node's "Healthy" is one object; a device keeps no time and no GPU id, only which of the node's GPUs it is on; and the
-devices of a node are shared with every other node whose devices read the same (all healthy, most of a fleet). The
-annotations the node agent writes (docs/annotations.md) are decoded here, by the schema's codec, once per change,
+devices of a node, and its labels, are shared with every other node whose devices (all healthy, most of a fleet), or
+whose labels but for its name, read the same. The annotations the node agent writes (docs/annotations.md) are decoded here, by the schema's codec, once per change,
 never by the rules.
 """
 
@@ -139,6 +139,18 @@ class Quarantine:
     label: str = ""  # key=value of the label it added ("" when it added none)
 
 
+class NameLabel:
+    """In :attr:`NodeFacts.labels`: the value is the node's name. An object, not a text: no label value can be it."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "NAME"
+
+
+NAME = NameLabel()
+
+
 @dataclass(frozen=True, slots=True)
 class NodeFacts:
     name: str
@@ -154,9 +166,11 @@ class NodeFacts:
     device_total: int | None
     taints: tuple[Mapping[str, Any], ...]
     unschedulable: bool
-    # Every label, as one flat tuple sorted by key: (key, value, key, value, ...), the strings interned. A dict per
-    # node would cost three times as much; the controller reads one or two keys (:meth:`label`).
-    labels: tuple[str, ...]
+    # Every label, as one flat tuple sorted by key: (key, value, key, value, ...), the strings interned and a value
+    # equal to the node's name (the hostname label) as NAME, so that nodes whose labels differ only by their names
+    # share one tuple. A dict per node would cost three times as much; the controller reads one or two keys
+    # (:meth:`label`).
+    labels: tuple[str | NameLabel, ...]
     quarantine: Quarantine | None  # ours, when our own-prefix quarantined-by names this controller
     foreign_taint: bool  # our taint key present without our annotations (an operator's, or a lost record)
 
@@ -169,7 +183,8 @@ class NodeFacts:
         labels = self.labels
         for i in range(0, len(labels), 2):
             if labels[i] == key:
-                return labels[i + 1]
+                value = labels[i + 1]
+                return self.name if isinstance(value, NameLabel) else value
         return None
 
     def decision_key(self) -> tuple[object, ...]:
@@ -237,17 +252,16 @@ def _devices(entries: tuple[DeviceEntry, ...]) -> tuple[Device, ...]:
         for e in sorted(entries, key=lambda e: e.key)))
 
 
-def _labels(labels: object, name: str) -> tuple[str, ...]:
+def _labels(labels: object, name: str) -> tuple[str | NameLabel, ...]:
     if not isinstance(labels, Mapping):
         return ()
-    out: list[str] = []
+    out: list[str | NameLabel] = []
     for key in sorted(k for k in labels if isinstance(k, str)):
         value = labels[key]
         if not isinstance(value, str):
             continue  # not a label the API server would serve; a hand-made file may hold one
-        # The hostname label is the node's name: one string for both, and none left in the intern table per node.
-        out += (_text(key), name if value == name else _text(value))
-    return tuple(out)
+        out += (_text(key), NAME if value == name else _text(value))
+    return shared(tuple(out))
 
 
 def facts_of(node: Mapping[str, Any], keys: Keys) -> NodeFacts:

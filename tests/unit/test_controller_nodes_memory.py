@@ -12,7 +12,7 @@ import pytest
 
 from plugin.backoff import Backoff
 from plugin.controller import nodes
-from plugin.controller.nodes import Keys, NodeFacts, facts_of
+from plugin.controller.nodes import NAME, Keys, NodeFacts, facts_of
 from plugin.controller.policy import UNHEALTHY_DEVICES, Rules, assess
 from plugin.controller.reconciler import Reconciler, Settings
 from tests.fakes.controller_api import T0, FakeControllerApi, FakeLeadership, P, gpu_node, merge_patch, rfc
@@ -35,10 +35,14 @@ def test_nodes_from_separate_documents_share_their_strings_and_devices() -> None
     for da, db in zip(a.devices, b.devices, strict=True):
         assert da.key is db.key and da.state is db.state and da.action is db.action and da.code is db.code
     assert a.node_state is b.node_state == "Unhealthy"
-    assert a.labels[0] is b.labels[0] == "kubernetes.io/hostname"  # sorted by key
-    assert a.labels[1] is a.name == "node-a"  # the hostname label's value is the name: one string
-    assert all(x is y for x, y in zip(a.labels[2:], b.labels[2:], strict=True))  # key and value of gpu.product
+    # Labels that differ only by the node's name (the hostname label) are one tuple, read back per node.
+    assert a.labels is b.labels and a.labels[:2] == ("kubernetes.io/hostname", NAME)
+    assert (a.label("kubernetes.io/hostname"), b.label("kubernetes.io/hostname")) == ("node-a", "node-b")
     assert a.label("nvidia.com/gpu.product") == "NVIDIA-H100-80GB-HBM3" and a.label("pool") is None
+    c = facts_of(served(gpu_node("node-c", labels={**labels, "team": "ml", "kubernetes.io/hostname": "other"})),
+                 KEYS)
+    assert c.labels is not a.labels and c.label("kubernetes.io/hostname") == "other"
+    assert all(x is y for x, y in zip(a.labels[2:], c.labels[2:4], strict=True))  # gpu.product: interned strings
 
 
 def test_facts_have_no_dict_per_instance() -> None:
@@ -65,6 +69,9 @@ def test_the_decision_key_ignores_device_times_and_ids_and_follows_states_and_la
     later["metadata"]["resourceVersion"] = "2"
     assert facts(later).decision_key() == key  # no rule reads them: nothing to decide
     relabelled = merge_patch(base, {"metadata": {"labels": {"team": "a"}}})
+    named = merge_patch(base, {"metadata": {"labels": {"kubernetes.io/hostname": "n"}}})
+    renamed = merge_patch(named, {"metadata": {"labels": {"kubernetes.io/hostname": "m"}}})
+    assert facts(named).decision_key() != key and facts(named).decision_key() != facts(renamed).decision_key()
     for doc in (relabelled, gpu_node("n", {1: "Unhealthy", 2: "Degraded"})):
         assert facts(doc).decision_key() != key
 
