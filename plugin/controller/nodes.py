@@ -5,8 +5,8 @@ kilobytes, so only these facts are kept, and kept small (issue 27; docs/benchmar
 Node"): the repeated strings (states, actions, codes, device and label keys, label values) are interned, so every
 Node's "Healthy" is one object; a device keeps no time and no GPU id, only which of the node's GPUs it is on; and the
 devices of a node, and its labels, are shared with every other node whose devices (all healthy, most of a fleet), or
-whose labels but for its name, read the same. The annotations the node agent writes (docs/annotations.md) are decoded here, by the schema's codec, once per change,
-never by the rules.
+whose labels but for its name, read the same. The annotations the node agent writes (docs/annotations.md) are
+decoded here, by the schema's codec, once per change, never by the rules.
 """
 
 from __future__ import annotations
