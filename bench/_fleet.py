@@ -268,6 +268,16 @@ class Fleet:
         annotations with that device's entry, ``state`` and ``summary`` (the keys that changed), rendered by the
         plugin's own functions. A non-Healthy state needs a reason ``code``; Healthy clears the reasons.
         Returns ``time.monotonic()`` just before the request was sent."""
+        patch = self.change_device(node, index, state, action, code, message)
+        sent = time.monotonic()
+        self._call("PATCH", f"/api/v1/nodes/{node}", {"metadata": {"annotations": patch}},
+                   "application/merge-patch+json")
+        return sent
+
+    def change_device(self, node: str, index: int, state: str, action: str = "none", code: str = "",
+                      message: str = "") -> dict[str, Any]:
+        """:meth:`set_device_state` in the fleet's model only (no request): returns the merge patch of the node's
+        annotations it would send."""
         st = State(state)
         devices = self._devices[node]
         if not 0 <= index < len(devices):
@@ -285,11 +295,21 @@ class Fleet:
                 dev.last = Transition(self._seq, _device_id(node, index), dev.state.value, st.value, reasons, now)
                 dev.since = now
             dev.state, dev.reasons = st, reasons
-            patch = merge_patch(before, self._annotations(node), self.prefix)
-        sent = time.monotonic()
-        self._call("PATCH", f"/api/v1/nodes/{node}", {"metadata": {"annotations": patch}},
-                   "application/merge-patch+json")
-        return sent
+            return merge_patch(before, self._annotations(node), self.prefix)
+
+    def node_object(self, name: str) -> dict[str, Any]:
+        """Node ``name`` as the fleet writes it, its plugin annotations in place (the fields the API server adds,
+        uid, resourceVersion and managedFields, aside). Needs no API server: in-process benchmarks build the same
+        Nodes as the fleet. Its device model is kept until :meth:`forget_node`."""
+        if name not in self._devices:
+            self._devices[name] = [_Device() for _ in range(GPUS_PER_NODE)]
+        body, plugin = self._bodies(name)
+        if plugin is not None:
+            body["metadata"]["annotations"].update(plugin)
+        return body
+
+    def forget_node(self, name: str) -> None:
+        self._devices.pop(name, None)
 
     def set_device_states(self, changes: Sequence[tuple[str, int, str, str, str]],
                           workers: int = CREATE_WORKERS) -> list[float]:
@@ -409,17 +429,23 @@ class Fleet:
             },
         }
 
-    def _create_node(self, name: str) -> None:
-        self._devices[name] = [_Device() for _ in range(GPUS_PER_NODE)]
+    def _bodies(self, name: str) -> tuple[dict[str, Any], dict[str, str] | None]:
+        """The Node's body, and for a realistic one the plugin's annotations apart (written by another manager)."""
         rng = random.Random(f"{self.seed}/{name}")
         phase = rng.uniform(0, self.status_period_s)
         if not self.realistic:
-            self._ensure("/api/v1/nodes", self._node_body(name, phase))
+            return self._node_body(name, phase), None
+        body = realistic_node(name, self._node_body(name, phase), rng)
+        return body, body["metadata"].pop("plugin-annotations")
+
+    def _create_node(self, name: str) -> None:
+        self._devices[name] = [_Device() for _ in range(GPUS_PER_NODE)]
+        body, annotations = self._bodies(name)
+        if annotations is None:
+            self._ensure("/api/v1/nodes", body)
             return
         # Two writers, as on a real node: the kubelet registers the Node, the plugin then annotates it; each
         # becomes an entry of managedFields.
-        body = realistic_node(name, self._node_body(name, phase), rng)
-        annotations = body["metadata"].pop("plugin-annotations")
         self._ensure("/api/v1/nodes", body, manager="kubelet")
         self._call("PATCH", f"/api/v1/nodes/{name}", {"metadata": {"annotations": annotations}},
                    "application/merge-patch+json")

@@ -1,16 +1,21 @@
 """What the controller keeps of a Node: the few facts its rules and its patches need, read from the Node's JSON.
 
-A fleet of 5,000 Nodes is held in memory; each one's full JSON (status images, conditions, managed fields) is many
-kilobytes, so only these facts are kept. The annotations the node agent writes (docs/annotations.md) are decoded
-here, by the schema's codec, once per change, never by the rules.
+A fleet of 50,000 Nodes is held in memory; each one's full JSON (status images, conditions, managed fields) is many
+kilobytes, so only these facts are kept, and kept small (issue 27; docs/benchmarks.md, "Fleet controller memory per
+Node"): the repeated strings (states, actions, codes, device and label keys, label values) are interned, so every
+Node's "Healthy" is one object; a device keeps no time and no GPU id, only which of the node's GPUs it is on; and the
+devices of a node, and its labels, are shared with every other node whose devices (all healthy, most of a fleet), or
+whose labels but for its name, read the same. The annotations the node agent writes (docs/annotations.md) are
+decoded here, by the schema's codec, once per change, never by the rules.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from plugin.health.reasons import Action, State
 from plugin.schema.annotations import STATE_KEY, SUMMARY_KEY, DeviceEntry, decode
@@ -109,17 +114,21 @@ class Keys:
         return (self.by, self.reason, self.message, self.at, self.owns, self.drained, self.label)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Device:
     key: str  # the annotation key's name part: gpu.3, gpu.3.mig.1.0, dev.<hex>
-    gpu: str  # the physical GPU it belongs to: its own id, or a MIG device's parent
+    # The physical GPU it belongs to (its own id, or a MIG device's parent), as the node's own numbering of the ids
+    # its devices name: the rules only count the distinct GPUs of Unhealthy devices, and a number is shared by
+    # every node where a text id would be one more string per device.
+    gpu: int
     state: str
     action: str
     code: str  # the top reason's code, "" when healthy
-    since: float | None
+    # No `since`: no rule reads the agent's times (its account can write any; see policy.py), and a time of each
+    # device would make every node's devices unlike every other's.
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Quarantine:
     """A quarantine this controller applied, as its annotations record it."""
 
@@ -130,7 +139,19 @@ class Quarantine:
     label: str = ""  # key=value of the label it added ("" when it added none)
 
 
-@dataclass(frozen=True)
+class NameLabel:
+    """In :attr:`NodeFacts.labels`: the value is the node's name. An object, not a text: no label value can be it."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "NAME"
+
+
+NAME = NameLabel()
+
+
+@dataclass(frozen=True, slots=True)
 class NodeFacts:
     name: str
     uid: str
@@ -145,7 +166,11 @@ class NodeFacts:
     device_total: int | None
     taints: tuple[Mapping[str, Any], ...]
     unschedulable: bool
-    labels: Mapping[str, str]
+    # Every label, as one flat tuple sorted by key: (key, value, key, value, ...), the strings interned and a value
+    # equal to the node's name (the hostname label) as NAME, so that nodes whose labels differ only by their names
+    # share one tuple. A dict per node would cost three times as much; the controller reads one or two keys
+    # (:meth:`label`).
+    labels: tuple[str | NameLabel, ...]
     quarantine: Quarantine | None  # ours, when our own-prefix quarantined-by names this controller
     foreign_taint: bool  # our taint key present without our annotations (an operator's, or a lost record)
 
@@ -153,11 +178,21 @@ class NodeFacts:
     def is_gpu_node(self) -> bool:
         return self.gpu_capacity > 0 or self.annotated
 
+    def label(self, key: str) -> str | None:
+        """The value of label ``key``, None when the node has none."""
+        labels = self.labels
+        for i in range(0, len(labels), 2):
+            if labels[i] == key:
+                value = labels[i + 1]
+                return self.name if isinstance(value, NameLabel) else value
+        return None
+
     def decision_key(self) -> tuple[object, ...]:
-        """Everything a decision depends on: a change of anything else (a heartbeat, an image list) needs none."""
+        """Everything a decision depends on: a change of anything else (a heartbeat, an image list) needs none. Any
+        label counts: an operator's relabelling may be what lets a refused write through (an admission policy)."""
         return (self.gpu_capacity, self.gpu_allocatable, self.annotated, self.node_state, self.devices,
-                self.device_total, self.taints, self.unschedulable, tuple(sorted(self.labels.items())),
-                self.quarantine, self.foreign_taint)
+                self.device_total, self.taints, self.unschedulable, self.labels, self.quarantine,
+                self.foreign_taint)
 
 
 def parse_time(value: object) -> float | None:
@@ -186,9 +221,47 @@ def gpu_count(resources: object) -> int:
     return total
 
 
-def _device(e: DeviceEntry) -> Device:
-    return Device(key=e.key, gpu=e.gpu, state=e.state, action=e.action or Action.NONE, code=e.code,
-                  since=parse_time(e.since))
+_T = TypeVar("_T")
+# Values equal across nodes are kept once: the devices of a node (all healthy: the same tuple on most of a fleet), each
+# device, and (the reconciler's) each assessment. Bounded, so that values seen once (a device of an odd key, a rare
+# reason) cannot grow it without end; the common ones arrive first, with the first LIST.
+_SHARED_MAX = 4096
+_shared: dict[object, object] = {}
+
+
+def shared(value: _T) -> _T:
+    """``value``, or an equal one kept before: one object for what many Nodes hold alike."""
+    kept = _shared.get(value)
+    if kept is not None:
+        return kept  # type: ignore[return-value]  # equal, hence of the same type
+    if len(_shared) < _SHARED_MAX:
+        _shared[value] = value
+    return value
+
+
+def _text(value: str) -> str:
+    return sys.intern(value)
+
+
+def _devices(entries: tuple[DeviceEntry, ...]) -> tuple[Device, ...]:
+    gpus: dict[str, int] = {}  # the node's GPU ids, numbered in the order of its sorted device keys
+    # Sorted by key as text: the order the rules list devices in their messages.
+    return shared(tuple(
+        shared(Device(key=_text(e.key), gpu=gpus.setdefault(e.gpu, len(gpus)), state=_text(e.state),
+                      action=_text(e.action or Action.NONE), code=_text(e.code)))
+        for e in sorted(entries, key=lambda e: e.key)))
+
+
+def _labels(labels: object, name: str) -> tuple[str | NameLabel, ...]:
+    if not isinstance(labels, Mapping):
+        return ()
+    out: list[str | NameLabel] = []
+    for key in sorted(k for k in labels if isinstance(k, str)):
+        value = labels[key]
+        if not isinstance(value, str):
+            continue  # not a label the API server would serve; a hand-made file may hold one
+        out += (_text(key), NAME if value == name else _text(value))
+    return shared(tuple(out))
 
 
 def facts_of(node: Mapping[str, Any], keys: Keys) -> NodeFacts:
@@ -197,25 +270,25 @@ def facts_of(node: Mapping[str, Any], keys: Keys) -> NodeFacts:
     status = node.get("status") or {}
     annotations: Mapping[str, str] = meta.get("annotations") or {}
     agent = decode(annotations, keys.prefix)
-    # Sorted by key as text: the order the rules list devices in their messages.
-    devices = sorted((_device(e) for e in agent.devices), key=lambda d: d.key)
     taints = tuple(t for t in (spec.get("taints") or []) if isinstance(t, dict))
     quarantine = None
     if annotations.get(keys.by) == CONTROLLER:
-        owns = frozenset(x.strip() for x in annotations.get(keys.owns, "").split(",") if x.strip())
-        quarantine = Quarantine(reason=annotations.get(keys.reason, ""), at=parse_time(annotations.get(keys.at)),
-                                owns=owns, drained=bool(annotations.get(keys.drained)),
-                                label=annotations.get(keys.label, ""))
+        owns = frozenset(_text(x.strip()) for x in annotations.get(keys.owns, "").split(",") if x.strip())
+        quarantine = Quarantine(reason=_text(annotations.get(keys.reason, "")),
+                                at=parse_time(annotations.get(keys.at)), owns=owns,
+                                drained=bool(annotations.get(keys.drained)),
+                                label=_text(annotations.get(keys.label, "")))
     has_taint = any(t.get("key") == keys.taint for t in taints)
+    name = str(meta.get("name") or "")
     return NodeFacts(
-        name=str(meta.get("name") or ""), uid=str(meta.get("uid") or ""),
+        name=name, uid=str(meta.get("uid") or ""),
         resource_version=str(meta.get("resourceVersion") or ""),
         gpu_capacity=gpu_count(status.get("capacity")),
         gpu_allocatable=gpu_count(status.get("allocatable")),
-        annotated=agent.annotated, node_state=agent.state,
-        devices=tuple(devices), device_total=agent.gpu_count, taints=taints,
+        annotated=agent.annotated, node_state=_text(agent.state),
+        devices=_devices(agent.devices), device_total=agent.gpu_count, taints=taints,
         unschedulable=bool(spec.get("unschedulable")),
-        labels=dict(meta.get("labels") or {}), quarantine=quarantine,
+        labels=_labels(meta.get("labels"), name), quarantine=quarantine,
         foreign_taint=has_taint and quarantine is None,
     )
 

@@ -50,7 +50,7 @@ def quarantine(f: NodeFacts, keys: Keys, *, reason: str, message: str, now: str,
     annotations = {keys.by: CONTROLLER, keys.reason: reason, keys.message: message, keys.at: now}
     if label:
         key, value = split_label(label)
-        if key not in f.labels:  # an operator's label of that key stays theirs
+        if f.label(key) is None:  # an operator's label of that key stays theirs
             meta["labels"] = {key: value}
             owns.append(OWN_LABEL)
             annotations[keys.label] = label
@@ -92,7 +92,7 @@ def missing(f: NodeFacts, keys: Keys) -> frozenset[str]:
         gone.add(OWN_CORDON)
     if OWN_LABEL in q.owns:
         key, value = split_label(q.label)
-        if not q.label or f.labels.get(key) != value:
+        if not q.label or f.label(key) != value:
             gone.add(OWN_LABEL)
     return frozenset(gone)
 
@@ -134,6 +134,6 @@ def release(f: NodeFacts, keys: Keys, disowned: frozenset[str] = frozenset()) ->
                             "annotations": dict.fromkeys(keys.ours())}
     if OWN_LABEL in owns and q.label:
         key, value = split_label(q.label)
-        if f.labels.get(key) == value:  # a value an operator put there since is theirs
+        if f.label(key) == value:  # a value an operator put there since is theirs
             meta["labels"] = {key: None}
     return {"metadata": meta, "spec": spec}

@@ -36,7 +36,7 @@ class Rules:
     capacity_gap: int = 1  # 0: off
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Assessment:
     reason: str | None  # the first rule that fires, None when none does
     message: str

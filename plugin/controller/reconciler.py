@@ -33,6 +33,7 @@ from plugin.controller.nodes import (
     NodeFacts,
     Quarantine,
     facts_of,
+    shared,
 )
 from plugin.controller.policy import Assessment, Rules, assess
 from plugin.kube.errors import ApiFailure
@@ -97,7 +98,9 @@ class Settings:
     identity: str = ""
 
 
-@dataclass
+# One per Node of the fleet (50,000 of them, issue 27): slots, and nothing allocated until it is needed (the empty
+# frozensets are one shared object; an eviction refused or an owned item removed makes a new one).
+@dataclass(slots=True)
 class Entry:
     facts: NodeFacts
     assessment: Assessment
@@ -107,7 +110,7 @@ class Entry:
     dry: Quarantine | None = None  # what --dry-run pretends it applied
     drained_logged: bool = False
     blocked_told: bool = False  # its GPUQuarantineBlocked Event went out (once while it waits)
-    refused: set[str] = field(default_factory=set)  # its pods a PodDisruptionBudget held back (429)
+    refused: frozenset[str] = frozenset()  # its pods a PodDisruptionBudget held back (429)
     # Each Node backs off on its own: other Nodes' successes say nothing about why this one's requests fail.
     backoff: Backoff = field(default_factory=lambda: Backoff(RETRY_INITIAL_S, RETRY_MAX_S))
     # A write refused for good: the decision's inputs and the LIST generation it was refused at. Not retried until
@@ -115,7 +118,7 @@ class Entry:
     refusal: tuple[object, ...] | None = None
     # What our record says we added that someone took off since (seen event by event, so a removal and a re-add
     # between two decisions is still seen); struck from the record at the next decision.
-    disowned: set[str] = field(default_factory=set)
+    disowned: frozenset[str] = frozenset()
     watched: bool = True  # the watch (or the last LIST) shows it; False: ours, kept and read again by name
     read_at: float | None = None  # when an out-of-sight Node was last read by name
 
@@ -239,14 +242,14 @@ class Reconciler:
             if old.refusal is not None and old.refusal[1] != self._lists:
                 self._dirty[f.name] = None  # a resync listed it again: a refused write gets its one more try
             return f.name if force else ""
-        a = assess(f, self.s.rules)
+        a = shared(assess(f, self.s.rules))  # most of a fleet's assessments read the same
         if old is None:
             e = self.entries[f.name] = Entry(f, a, watched=watched)
         else:
             e = old
             e.facts, e.assessment = f, a
         if f.quarantine is None:
-            e.disowned.clear()
+            e.disowned = frozenset()
         else:
             e.disowned = (e.disowned | patches.missing(f, self.s.keys)) & f.quarantine.owns
         self._count(f.name)
@@ -525,7 +528,7 @@ class Reconciler:
                             f"circuit breaker is open: {self.breaker.state.reason}", now)
             return
         if e.disowned and e.dry is None:
-            gone = frozenset(e.disowned)
+            gone = e.disowned
             log.info("%s: %s taken off by someone else during the quarantine: no longer ours to take back", name,
                      ", ".join(sorted(gone)))
             self._write(e, "disown", patches.disown(f, self.s.keys, gone))
@@ -594,7 +597,7 @@ class Reconciler:
             return
         assert f.quarantine is not None
         reason = f.quarantine.reason
-        self._write(e, "release", patches.release(f, self.s.keys, frozenset(e.disowned)))
+        self._write(e, "release", patches.release(f, self.s.keys, e.disowned))
         log.info("released %s (quarantined for %s, fit for %.0f min)", f.name, reason, held)
         self._event(f, "GPUNodeReleased", "Normal",
                     f"released: fit for {held:.0f} min (recovery hold {self.s.recovery_hold_s:.0f}s); was "
@@ -631,7 +634,7 @@ class Reconciler:
         if not left:
             self._write(e, "drained", patches.drained(f, self.s.keys, now=rfc3339(now)))
             self._event(f, "GPUNodeDrained", "Normal", "drained: no evictable pods left", now)
-            e.refused.clear()
+            e.refused = frozenset()
             return
         # Pods a budget refused go last, so that one PodDisruptionBudget does not hold up the rest of the drain.
         left.sort(key=lambda p: _pod_key(p) in e.refused)
@@ -648,11 +651,11 @@ class Reconciler:
             try:
                 self.api.evict_pod(str(meta.get("namespace")), str(meta.get("name")), str(meta.get("uid") or ""))
                 self.stats.count(self.stats.actions, "evict")
-                e.refused.discard(key)
+                e.refused -= {key}
             except ApiFailure as exc:
                 if exc.status == 429:  # a PodDisruptionBudget says not now
                     self.stats.evictions_blocked += 1
-                    e.refused.add(key)
+                    e.refused |= {key}
                 elif exc.status != 404:
                     self.stats.count(self.stats.api_failures, "evict")
         self._at(now + wait, f.name)

@@ -64,11 +64,11 @@ def test_devices_are_read_from_their_keys_only_and_sorted() -> None:
     ann["example.com/gpu.7"] = value  # another prefix
     f = facts(doc)
     assert [d.key for d in f.devices] == ["dev.0123456789abcdef", "gpu.0", "gpu.0.mig.1.0", "gpu.1"]
-    mig = f.devices[2]
-    assert (mig.gpu, mig.state, mig.action, mig.code, mig.since) == ("GPU-n-0", "Unhealthy", "reset-gpu", "xid-48",
-                                                                      T0 + 5)
-    assert f.devices[0].since is None and f.devices[0].code == ""
-    assert f.devices[3].code == "ecc-uncorrected"
+    other, gpu0, mig, gpu1 = f.devices
+    assert (mig.state, mig.action, mig.code) == ("Unhealthy", "reset-gpu", "xid-48")
+    # A GPU is known by the node's own numbering of the ids: the MIG device is on gpu.0's GPU (GPU-n-0), no other.
+    assert mig.gpu == gpu0.gpu and len({other.gpu, gpu0.gpu, gpu1.gpu}) == 3
+    assert other.code == "" and gpu1.code == "ecc-uncorrected"
     # The MIG device belongs to GPU 0: three physical GPUs, not four.
     assert f.device_total == 3
 

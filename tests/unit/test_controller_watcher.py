@@ -70,7 +70,7 @@ def test_list_then_watch_from_the_lists_version() -> None:
     assert (selector, rv) == (SELECTOR, listed)
     assert WATCH_MIN_S <= timeout <= WATCH_MAX_S
     assert f.rec.synced and f.rec.counts()["nodes"] == 3
-    assert f.rec.entries["n1"].facts.labels == {"pool": "b"}
+    assert f.rec.entries["n1"].facts.labels == ("pool", "b")
     assert f.w.resource_version == n1["metadata"]["resourceVersion"]
     assert (f.w.lists, f.w.watches, f.w.events) == (1, 1, 1)
 
@@ -115,7 +115,7 @@ def test_a_broken_stream_resumes_from_the_last_version_without_a_list() -> None:
     f.w.round()
     assert f.w.lists == 1
     assert f.watched_from() == [listed, n0["metadata"]["resourceVersion"]]
-    assert f.rec.entries["n0"].facts.labels == {"a": "1"} and f.rec.entries["n1"].facts.labels == {"b": "2"}
+    assert f.rec.entries["n0"].facts.labels == ("a", "1") and f.rec.entries["n1"].facts.labels == ("b", "2")
 
 
 def test_an_error_event_becomes_the_api_failure_it_reports() -> None:
@@ -182,5 +182,5 @@ def test_the_loop_lists_again_at_once_on_410_and_resumes_after_other_failures() 
     assert not f.w.alive()
     relisted = str(f.api.rv)
     assert f.w.lists == 2 and f.watched_from() == [listed, relisted, relisted]
-    assert f.rec.entries["n2"].facts.labels == {"lost": "event"}
+    assert f.rec.entries["n2"].facts.labels == ("lost", "event")
     assert f.w.failures == 2 and f.w.last_error == "HTTP 500: internal error"
