@@ -274,6 +274,16 @@ class Fleet:
                    "application/merge-patch+json")
         return sent
 
+    def report_status(self, node: str) -> None:
+        """What a kubelet's periodic status report does to a Node (nodeStatusReportFrequency, 5 minutes): every
+        condition's heartbeat time moved, nothing else; one strategic merge patch of ``nodes/status``, which every
+        watcher of Nodes receives as the whole Node modified."""
+        now = datetime.now().astimezone().isoformat(timespec="seconds")
+        conditions = [{"type": t, "lastHeartbeatTime": now}
+                      for t in ("MemoryPressure", "DiskPressure", "PIDPressure", "NetworkUnavailable", "Ready")]
+        self._call("PATCH", f"/api/v1/nodes/{node}/status", {"status": {"conditions": conditions}},
+                   "application/strategic-merge-patch+json", manager="kubelet")
+
     def change_device(self, node: str, index: int, state: str, action: str = "none", code: str = "",
                       message: str = "") -> dict[str, Any]:
         """:meth:`set_device_state` in the fleet's model only (no request): returns the merge patch of the node's

@@ -37,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -269,9 +270,58 @@ def correlated(fleet: Fleet, client: KubeClient, share: float, breaker: float, r
             "blocked": state.get("blocked")}
 
 
+class StatusChurn:
+    """Kubelet status reports without kwok: ``rate`` Node status PATCHes per second, round-robin over the fleet, from
+    a few threads, until stopped. A kubelet reports every 5 minutes when nothing changed, so a fleet of N nodes makes
+    N / 300 a second; the controller receives each as a whole modified Node and must parse and drop it."""
+
+    def __init__(self, fleet: Fleet, rate: float, workers: int = 4) -> None:
+        self.fleet, self.rate, self.workers = fleet, rate, workers
+        self.sent = 0
+        self.late = 0  # reports sent more than a second behind their schedule (the API server could not keep up)
+        self.failed = 0
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._next = 0
+
+    def start(self) -> StatusChurn:
+        if self.rate > 0:
+            t0 = time.monotonic()
+            for w in range(self.workers):
+                t = threading.Thread(target=self._run, args=(t0, w), daemon=True)
+                t.start()
+                self._threads.append(t)
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(30)
+
+    def _run(self, t0: float, worker: int) -> None:
+        names = self.fleet.node_names
+        k = worker
+        while not self._stop.is_set():
+            due = t0 + k / self.rate
+            wait = due - time.monotonic()
+            if wait > 0 and self._stop.wait(wait):
+                return
+            try:
+                self.fleet.report_status(names[k % len(names)])
+            except (OSError, RuntimeError):
+                with self._lock:
+                    self.failed += 1
+            else:
+                with self._lock:
+                    self.sent += 1
+                    self.late += time.monotonic() - due > 1.0
+            k += self.workers
+
+
 def run(n: int, changes: int, idle_s: float, seed: int, lease_duration_s: int, realistic: bool,
         probes: list[str], heal_after_s: float, storm: float = 0.2, breaker: float = 0.1, heartbeats: bool = True,
-        large: bool = False) -> dict[str, Any]:
+        large: bool = False, status_rate: float = 0.0) -> dict[str, Any]:
     rng = random.Random(seed)
     work = Path(tempfile.mkdtemp(prefix=f"bench-fleet-{n}-"))
     started = time.monotonic()
@@ -290,6 +340,7 @@ def run(n: int, changes: int, idle_s: float, seed: int, lease_duration_s: int, r
             client = KubeClient(fleet.kubeconfig)
             sync_s = wait_synced(client, proc, port)
             memory = {"rss_ready_mib": round(rss_mib(proc.pid), 1), "peak_ready_mib": round(peak_rss_mib(proc.pid), 1)}
+            churn = StatusChurn(fleet, status_rate).start()
             lat, after = latency(fleet, changes, rng, heal_after_s)
             time.sleep(3)  # the last release settles before the idle window opens
             user = fleet.user_of("controller")
@@ -307,6 +358,7 @@ def run(n: int, changes: int, idle_s: float, seed: int, lease_duration_s: int, r
                                                             and not k.startswith(("get", "list", "watch")))}
             fleet_cpu = fleet.measure_idle(10)
             storm = correlated(fleet, client, storm, breaker, rng, proc)
+            churn.stop()
             rss_after = round(rss_mib(proc.pid), 1)
             memory["peak_end_mib"] = round(peak_rss_mib(proc.pid), 1)
         finally:
@@ -315,6 +367,8 @@ def run(n: int, changes: int, idle_s: float, seed: int, lease_duration_s: int, r
         list_probes = list_probe(kubeconfig, probes) if probes else []
     return {"nodes": n, "heartbeats": "kwok" if heartbeats else "none", "large_control_plane": large,
             "fleet_setup_s": round(fleet_s, 1), "breaker_fraction": breaker,
+            "status_reports": {"rate_per_s": round(status_rate, 1), "sent": churn.sent, "late": churn.late,
+                               "failed": churn.failed},
             "node_lease_duration_s": lease_duration_s, "node_object": size, "memory": memory,
             "list_probes": list_probes, "sync_s": round(sync_s, 1),
             "latency_samples_ms": [round(v * 1000, 1) for v in lat],
@@ -351,6 +405,10 @@ def main() -> None:
     ap.add_argument("--large-control-plane", action="store_true",
                     help="etcd and kube-apiserver set as a large cluster's are (LARGE_ETCD_ARGS, "
                          "LARGE_APISERVER_ARGS)")
+    ap.add_argument("--status-reports", default="0",
+                    help="Node status reports per second while the controller runs, as kubelets make them without kwok "
+                         "(a number, or 'kubelet': the fleet's size / 300, one report per node every 5 minutes; "
+                         "default 0)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--probe", help=argparse.SUPPRESS)
     ap.add_argument("--probe-kubeconfig", type=Path, help=argparse.SUPPRESS)
@@ -367,8 +425,19 @@ def main() -> None:
     for name in ("storm", "breaker"):
         if not 0 < getattr(args, name) <= 1:
             ap.error(f"--{name}: {getattr(args, name)} is not a share in (0, 1]")
+    if args.status_reports != "kubelet":
+        try:
+            if float(args.status_reports) < 0:
+                raise ValueError
+        except ValueError:
+            ap.error(f"--status-reports: {args.status_reports!r} is neither a rate >= 0 nor 'kubelet'")
+
+    def status_rate(n: int) -> float:
+        return n / 300 if args.status_reports == "kubelet" else float(args.status_reports)
+
     results = [run(int(n), args.changes, args.idle, args.seed, args.node_lease_duration, not args.bare_nodes, probes,
-                   args.heal_after, args.storm, args.breaker, args.heartbeats == "kwok", args.large_control_plane)
+                   args.heal_after, args.storm, args.breaker, args.heartbeats == "kwok", args.large_control_plane,
+                   status_rate(int(n)))
                for n in args.nodes.split(",")]
     print(f"machine: {machine()}")
     for r in results:
@@ -385,6 +454,10 @@ def main() -> None:
               f"controller {storm['requests_per_s']} requests/s, {storm['writes_per_s']} writes/s, CPU "
               f"{storm['cpu_pct']}% over {storm['window_s']}s); "
               f"RSS after {r['rss_after_storm_mib']} MiB")
+        sr = r["status_reports"]
+        if sr["rate_per_s"]:
+            print(f"{r['nodes']:>5} nodes: {sr['rate_per_s']} status reports/s while the controller ran: {sr['sent']} "
+                  f"sent, {sr['late']} more than 1 s late, {sr['failed']} failed")
         size, mem = r["node_object"], r["memory"]
         print(f"{r['nodes']:>5} nodes: Node object {size['serialized_kb']} KB served, {size['parsed_kb']} KB parsed; "
               f"controller RSS once ready {mem['rss_ready_mib']} MiB (peak {mem['peak_ready_mib']}), peak over the run "
