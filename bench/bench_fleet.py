@@ -220,12 +220,16 @@ def latency(fleet: Fleet, changes: int, rng: random.Random, heal_after_s: float)
     controller = fleet.user_of("controller")
     out, after = [], []
     names = fleet.node_names
-    for _ in range(changes):
-        name = rng.choice(names)
+    # Distinct nodes while the fleet has enough, so no sample follows the same node's own release.
+    picks = rng.sample(names, changes) if changes <= len(names) else [rng.choice(names) for _ in range(changes)]
+    for name in picks:
         since = time.time() - 1.0
         fleet.set_device_state(name, 2, "Unhealthy", "reset-gpu", "ecc-uncorrected")
         taint = _wait_patch(fleet, name, controller, since)
-        change = next(r for r in _patches(fleet, name, since) if r.user != controller)
+        # The change is the latest PATCH by someone else before the taint: the first one since ``since`` could be
+        # older (in a small fleet made a moment ago, the node's creation-time annotation PATCH).
+        change = max((r for r in _patches(fleet, name, since) if r.user != controller and r.time <= taint.time),
+                     key=lambda r: r.time)
         out.append(taint.time - change.time)
         after.append(taint.time - change.completed)
         since = taint.time
