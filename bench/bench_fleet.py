@@ -263,10 +263,19 @@ def correlated(fleet: Fleet, client: KubeClient, share: float, breaker: float, r
             break  # ten more seconds at the limit: it stopped there (or went on, which the count shows)
         time.sleep(0.5)
     cpu1, w1 = cpu_seconds(proc.pid), time.time()
-    reqs = [r for r in fleet.requests(since=w0, until=w1) if r.user == user]
+    window = fleet.requests(since=w0 - 1.0, until=w1)
+    reqs = [r for r in window if r.user == user and r.time >= w0]
+    # Annotation -> taint for each node the storm got quarantined, on the API server's clock as for single faults.
+    hit = set(failing)
+    changed = {r.name: r.time for r in window if r.verb == "patch" and r.resource == "nodes" and not r.subresource
+               and r.user != user and r.name in hit}
+    lat = sorted(r.time - changed[r.name] for r in window if r.user == user and r.verb == "patch"
+                 and r.resource == "nodes" and not r.subresource and r.name in changed)
     writes = [r for r in reqs if r.verb not in ("get", "list", "watch")]
     state = breaker_of(client)
     return {"share": share, "failing": len(failing), "limit": limit, "quarantined": count_tainted(client),
+            "taint_latency": {"n": len(lat), "p50_ms": round(statistics.median(lat) * 1000, 1) if lat else None,
+                              "p99_ms": round(pct(lat, 99) * 1000, 1) if lat else None},
             "window_s": round(w1 - w0, 1), "requests_per_s": round(len(reqs) / (w1 - w0), 2),
             "writes_per_s": round(len(writes) / (w1 - w0), 2), "cpu_pct": round(100 * (cpu1 - cpu0) / (w1 - w0), 1),
             "max_seen": max(counts) if counts else 0, "patches_sent_s": round(sent_s, 2),
@@ -455,6 +464,8 @@ def main() -> None:
               f"{storm['failing']} nodes -> "
               f"{storm['quarantined']} quarantined (limit {storm['limit']}, most seen {storm['max_seen']}, limit "
               f"reached in {storm['limit_reached_s']}s, breaker {storm['breaker']}, blocked {storm['blocked']}; "
+              f"annotation -> taint p50 {storm['taint_latency']['p50_ms']} ms, p99 {storm['taint_latency']['p99_ms']} "
+              f"ms over {storm['taint_latency']['n']}; "
               f"controller {storm['requests_per_s']} requests/s, {storm['writes_per_s']} writes/s, CPU "
               f"{storm['cpu_pct']}% over {storm['window_s']}s); "
               f"RSS after {r['rss_after_storm_mib']} MiB")
