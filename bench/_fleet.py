@@ -336,12 +336,20 @@ class Fleet:
         ``metadata.resourceVersion`` is where a watch of what happens next starts."""
         return self._call("GET", f"/api/v1/nodes{'?' + query if query else ''}")
 
-    def requests(self, since: float | None = None, until: float | None = None) -> list[AuditedRequest]:
+    def requests(self, since: float | None = None, until: float | None = None,
+                 start: int = 0) -> list[AuditedRequest]:
         """Every request the audit log holds (all but kwok's), oldest first; ``since``/``until`` are wall-clock
-        seconds (``time.time()``) and bound the time the server received it."""
+        seconds (``time.time()``) and bound the time the server received it; ``start``, a :meth:`audit_mark`, skips
+        what the log held then (a poll in a loop then costs what was written since, not the whole log)."""
         self._read_audit()
-        return [r for r in self._audit
+        return [r for r in self._audit[start:]
                 if (since is None or r.time >= since) and (until is None or r.time < until)]
+
+    def audit_mark(self) -> int:
+        """Where the audit log ends now, for :meth:`requests`' ``start``: entries are kept in the order the server
+        completed them, so a request received after this call is never before the mark."""
+        self._read_audit()
+        return len(self._audit)
 
     def request_counts(self, since: float | None = None, until: float | None = None,
                        by: str = "user") -> Counter[str]:

@@ -31,7 +31,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -198,15 +201,17 @@ def wait_synced(client: KubeClient, proc: subprocess.Popen[bytes], port: int, ti
     raise TimeoutError("controller did not sync")
 
 
-def _patches(fleet: Fleet, node: str, since: float) -> list[Any]:
-    return [r for r in fleet.requests(since=since) if r.verb == "patch" and r.resource == "nodes" and r.name == node
-            and not r.subresource]
+def _patches(fleet: Fleet, node: str, since: float, start: int = 0) -> list[Any]:
+    return [r for r in fleet.requests(since=since, start=start) if r.verb == "patch" and r.resource == "nodes"
+            and r.name == node and not r.subresource]
 
 
-def _wait_patch(fleet: Fleet, node: str, user: str, since: float, timeout_s: float = 60.0) -> Any:
+def _wait_patch(fleet: Fleet, node: str, user: str, since: float, start: int, timeout_s: float = 60.0) -> Any:
+    # From a mark of the audit log: at 50,000 Nodes the log holds hundreds of thousands of entries, and filtering
+    # them all every 20 ms took a good part of a core from the machine under test (issue 27's profile).
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        mine = [r for r in _patches(fleet, node, since) if r.user == user]
+        mine = [r for r in _patches(fleet, node, since, start) if r.user == user]
         if mine:
             return mine[0]
         time.sleep(0.02)  # the audit log is another process's file: nothing to wait on but the next look
@@ -223,19 +228,20 @@ def latency(fleet: Fleet, changes: int, rng: random.Random, heal_after_s: float)
     # Distinct nodes while the fleet has enough, so no sample follows the same node's own release.
     picks = rng.sample(names, changes) if changes <= len(names) else [rng.choice(names) for _ in range(changes)]
     for name in picks:
-        since = time.time() - 1.0
+        since, mark = time.time() - 1.0, fleet.audit_mark()
         fleet.set_device_state(name, 2, "Unhealthy", "reset-gpu", "ecc-uncorrected")
-        taint = _wait_patch(fleet, name, controller, since)
+        taint = _wait_patch(fleet, name, controller, since, mark)
         # The change is the latest PATCH by someone else before the taint: the first one since ``since`` could be
         # older (in a small fleet made a moment ago, the node's creation-time annotation PATCH).
-        change = max((r for r in _patches(fleet, name, since) if r.user != controller and r.time <= taint.time),
-                     key=lambda r: r.time)
+        change = max((r for r in _patches(fleet, name, since, mark) if r.user != controller
+                      and r.time <= taint.time), key=lambda r: r.time)
         out.append(taint.time - change.time)
         after.append(taint.time - change.completed)
         since = taint.time
         time.sleep(heal_after_s)  # the device heals this long after the server received the taint (not timed)
+        mark = fleet.audit_mark()
         fleet.set_device_state(name, 2, "Healthy")
-        _wait_patch(fleet, name, controller, since + 1e-6)  # the release (recovery hold 0 here)
+        _wait_patch(fleet, name, controller, since + 1e-6, mark)  # the release (recovery hold 0 here)
     return out, after
 
 
@@ -332,9 +338,18 @@ class StatusChurn:
             k += self.workers
 
 
+def profiler(pid: int, out: Path) -> subprocess.Popen[bytes]:
+    """py-spy sampling the controller (all its threads, idle ones left out) until SIGINT, into ``out`` as collapsed
+    stacks: one line per stack with its sample count, to sum by function."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    return subprocess.Popen([spy, "record", "--pid", str(pid), "--rate", "250", "--format", "raw", "--threads",
+                             "--output", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def run(n: int, changes: int, idle_s: float, seed: int, lease_duration_s: int, realistic: bool,
         probes: list[str], heal_after_s: float, storm: float = 0.2, breaker: float = 0.1, heartbeats: bool = True,
-        large: bool = False, status_rate: float = 0.0) -> dict[str, Any]:
+        large: bool = False, status_rate: float = 0.0, profile: Path | None = None) -> dict[str, Any]:
     rng = random.Random(seed)
     work = Path(tempfile.mkdtemp(prefix=f"bench-fleet-{n}-"))
     started = time.monotonic()
@@ -354,7 +369,18 @@ def run(n: int, changes: int, idle_s: float, seed: int, lease_duration_s: int, r
             sync_s = wait_synced(client, proc, port)
             memory = {"rss_ready_mib": round(rss_mib(proc.pid), 1), "peak_ready_mib": round(peak_rss_mib(proc.pid), 1)}
             churn = StatusChurn(fleet, status_rate).start()
+            spy = profiler(proc.pid, profile / f"controller-{n}.txt") if profile else None
+            pids = {**fleet.pids(), "controller": proc.pid, "bench": os.getpid()}
+            busy0, t_busy = {k: cpu_seconds(v) for k, v in pids.items()}, time.monotonic()
             lat, after = latency(fleet, changes, rng, heal_after_s)
+            t_busy = time.monotonic() - t_busy
+            # Who had the machine while the single faults were timed: the share each process took of the 2 cores is
+            # what the latency's growth with the fleet is made of (the API server's watch fan-out and status
+            # reports, etcd, our parsing of the reports, the benchmark's own load generator).
+            latency_cpu = {k: round((cpu_seconds(v) - busy0[k]) / t_busy, 3) for k, v in pids.items()}
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)
+                spy.wait(60)
             time.sleep(3)  # the last release settles before the idle window opens
             user = fleet.user_of("controller")
             cpu0, w0 = cpu_seconds(proc.pid), time.time()
@@ -386,6 +412,7 @@ def run(n: int, changes: int, idle_s: float, seed: int, lease_duration_s: int, r
             "list_probes": list_probes, "sync_s": round(sync_s, 1),
             "latency_samples_ms": [round(v * 1000, 1) for v in lat],
             "after_answer_samples_ms": [round(v * 1000, 1) for v in after],
+            "latency_phase_cpu_cores": latency_cpu,
             "after_answer": {"p50_ms": round(statistics.median(after) * 1000, 1),
                              "p99_ms": round(pct(after, 99) * 1000, 1)},
             "latency": {"n": len(lat), "p50_ms": round(statistics.median(lat) * 1000, 1),
@@ -422,6 +449,9 @@ def main() -> None:
                     help="Node status reports per second while the controller runs, as kubelets make them without kwok "
                          "(a number, or 'kubelet': the fleet's size / 300, one report per node every 5 minutes; "
                          "default 0)")
+    ap.add_argument("--profile", type=Path,
+                    help="sample the controller with py-spy while the single faults are timed, into "
+                         "PROFILE/controller-N.txt (collapsed stacks; py-spy must be installed)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--probe", help=argparse.SUPPRESS)
     ap.add_argument("--probe-kubeconfig", type=Path, help=argparse.SUPPRESS)
@@ -450,7 +480,7 @@ def main() -> None:
 
     results = [run(int(n), args.changes, args.idle, args.seed, args.node_lease_duration, not args.bare_nodes, probes,
                    args.heal_after, args.storm, args.breaker, args.heartbeats == "kwok", args.large_control_plane,
-                   status_rate(int(n)))
+                   status_rate(int(n)), args.profile)
                for n in args.nodes.split(",")]
     print(f"machine: {machine()}")
     for r in results:
@@ -473,6 +503,8 @@ def main() -> None:
         if sr["rate_per_s"]:
             print(f"{r['nodes']:>5} nodes: {sr['rate_per_s']} status reports/s while the controller ran: {sr['sent']} "
                   f"sent, {sr['late']} more than 1 s late, {sr['failed']} failed")
+        print(f"{r['nodes']:>5} nodes: CPU (cores) while the single faults were timed: "
+              + ", ".join(f"{k} {v}" for k, v in sorted(r["latency_phase_cpu_cores"].items())))
         size, mem = r["node_object"], r["memory"]
         print(f"{r['nodes']:>5} nodes: Node object {size['serialized_kb']} KB served, {size['parsed_kb']} KB parsed; "
               f"controller RSS once ready {mem['rss_ready_mib']} MiB (peak {mem['peak_ready_mib']}), peak over the run "
