@@ -175,7 +175,7 @@ def storm(args: argparse.Namespace, fleet: Fleet, user: str, agents: list[Agent]
     events = storm_events(rng, hit, 0.0, args.window)  # times relative to the storm's start
     changes = sorted(storm_changes(events, GPUS))
     predicted = coalesce(sorted(storm_transitions(events, GPUS)), random.Random(args.seed), 1.0, 10.0)
-    predicted_events = event_writes(sorted(storm_device_changes(events, GPUS)))
+    predicted_events = event_writes(sorted(storm_device_changes(events, GPUS)), burst_s=1.0)  # the debounce
 
     pids = fleet.pids()
     cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}

@@ -156,12 +156,13 @@ def storm_device_changes(events: Iterable[tuple[int, float, float]], gpus: int) 
             for t, n, g, back in storm_changes(events, gpus)]
 
 
-def event_writes(changes: Sequence[Change], window_s: float = 600.0,
-                 min_interval_s: float = 10.0) -> list[tuple[float, int]]:
+def event_writes(changes: Sequence[Change], window_s: float = 600.0, min_interval_s: float = 10.0,
+                 burst_s: float = 1.0) -> list[tuple[float, int]]:
     """When each node's reporter writes an Event (a create or a patch of an aggregated one), given its devices'
-    changes in time order: the reporter's real ``EventAggregator`` per node (one key per device and Event reason,
-    a key written at most once per ``min_interval_s``), flushed at each change and when the next key is due, as
-    the reporter's step does. Reason codes are left out: they only split keys further."""
+    changes in time order: the reporter's real ``EventAggregator`` per node (alike changes of a node's devices
+    within ``burst_s``, the reporter's debounce, are one Event; a key is written at most once per
+    ``min_interval_s``), fed at each change and flushed then and when the next burst closes or key is due, as the
+    reporter's step does. Reason codes are left out: they only split keys further."""
     aggs: dict[int, EventAggregator] = {}
     wake: dict[int, float] = {}
     writes: list[tuple[float, int]] = []
@@ -172,11 +173,12 @@ def event_writes(changes: Sequence[Change], window_s: float = 600.0,
         now, kind, i, n = heapq.heappop(queue)
         agg = aggs.get(n)
         if agg is None:
-            agg = aggs[n] = EventAggregator(f"node-{n}", window_s, min_interval_s)
+            agg = aggs[n] = EventAggregator(f"node-{n}", window_s, min_interval_s, burst_s=burst_s)
         if kind == 0:
             seq += 1
             _, _, g, before, after = changes[i]
-            agg.observe([Transition(seq, f"GPU-{n}-{g}", before, after, (), now)], {f"GPU-{n}-{g}": f"gpu.{g}"})
+            agg.observe([Transition(seq, f"GPU-{n}-{g}", before, after, (), now)], {f"GPU-{n}-{g}": f"gpu.{g}"},
+                        now)
         elif now != wake.get(n):
             continue  # a superseded wake-up
         for e in agg.due(now):
@@ -241,7 +243,7 @@ def simulate(nodes: int, gpus: int, rate_per_1000: float, storm_share: float, se
     changes += storm_device_changes(events, gpus)
     changes.sort()
     writes = coalesce(transitions, rng, debounce, min_interval)
-    ev = per_second(w for w, _ in event_writes(changes))
+    ev = per_second(w for w, _ in event_writes(changes, burst_s=debounce))
     coalesced, per_transition = per_second(w for w, _ in writes), per_second(w for w, _ in transitions)
     # The storm's span: from its first transition until the last hit node can have written its last change.
     lo = int(storm_start)
@@ -265,7 +267,7 @@ def simulate(nodes: int, gpus: int, rate_per_1000: float, storm_share: float, se
                                      **rates(per_transition)},
         "ratio_writes": round(total_writes / n_trans, 3) if n_trans else None,
         "ratio_peak_1s": round(peak(coalesced, 1) / peak(per_transition, 1), 3) if per_transition else None,
-        # Events on the Node (on by default): one key per device and reason, each paced on its own.
+        # Events on the Node (on by default): one per node, reason and burst, each key paced on its own.
         "events": {"writes": n_events, "mean_per_s": round(n_events / DAY, 4), **rates(ev)},
         "storm": {"span_s": [lo - int(storm_start), hi - int(storm_start)], "writes": in_storm,
                   "coalesced": storm_rates, "one_write_per_transition": rates(per_transition, lo, hi),

@@ -163,7 +163,8 @@ class Config:
         Choice("ours", "eks"), "reason style of that node condition: ours (GPUUnhealthy, GPUStateUnknown, "
         "GPUsHealthy) or eks (the EKS node monitoring agent's names, NvidiaXID<N>Error, ...)"))
     report_debounce: float = field(default=1.0, metadata=spec(
-        positive_float, "seconds a burst of changes is collected into one write", "SECONDS"))
+        positive_float, "seconds a burst of changes is collected into one write to the node, and alike changes of "
+        "several GPUs into one Event", "SECONDS"))
     report_min_interval: float = field(default=10.0, metadata=spec(
         positive_float, "seconds between two writes to the node (token bucket)", "SECONDS"))
     report_resync_interval: float = field(default=600.0, metadata=spec(

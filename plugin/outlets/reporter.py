@@ -7,7 +7,8 @@ during I/O) and keeps the API server calm:
 
 - only on change: it compares what it wants with what the server has, and writes nothing when they agree;
 - a burst is coalesced: a write happens ``debounce_s`` after the first unwritten change, with the state of that
-  moment, so 20 transitions within a second are one merge PATCH;
+  moment, so 20 transitions within a second are one merge PATCH, and alike transitions of several devices within
+  the same window are one Event naming them (``events.py``);
 - a per-node token bucket (one token per ``min_interval_s``) bounds writes to the Node: a flapping device costs at
   most one write per 10 s by default;
 - failures back off exponentially with jitter (``Retry-After`` honoured on 429), are logged once per back-off and
@@ -123,7 +124,9 @@ class KubeReporter(PacedWriter[ReporterStatus, KubeApi], OutletThread):
         PacedWriter.__init__(self, ReporterStatus(node=s.node_name), sched, api_factory, wall, label=LABEL, log=log)
         self._ev_backoff = Backoff(s.backoff_initial_s, s.backoff_max_s, rng=rng)
         self._ev_blocked_until = -math.inf
-        self._events = EventAggregator(s.node_name, s.event_window_s, s.event_min_interval_s)
+        # One Event per node and burst takes the annotations' burst window: a rollout's GPUs, collected into one
+        # PATCH, are one Event too, and neither waits longer than the other (events.py).
+        self._events = EventAggregator(s.node_name, s.event_window_s, s.event_min_interval_s, burst_s=s.debounce_s)
         self._seq: int | None = None
         self._last: dict[str, Transition] = {}
         self._names: dict[str, str] = {}
@@ -179,7 +182,7 @@ class KubeReporter(PacedWriter[ReporterStatus, KubeApi], OutletThread):
         if self.settings.events and news:
             # Only transitions seen while running: the ones before our first look (e.g. a latched fault reloaded
             # at start) are on the annotations already and would repeat an Event on every restart.
-            self._events.observe(news, self._names)
+            self._events.observe(news, self._names, now)
         self._seq = snap.seq
         self._version = snap.version
         s = self.settings

@@ -216,24 +216,24 @@ def test_events_only_for_transitions_into_or_out_of_bad_states() -> None:
 
 
 def test_event_aggregation_counts_repeats_and_paces_each_key() -> None:
-    agg = EventAggregator("n1", window_s=600, min_interval_s=10)
+    agg = EventAggregator("n1", window_s=600, min_interval_s=10, burst_s=1)
     names = {"GPU-a": "gpu.0"}
     assert agg.observe([_t(1, "Healthy", "Unhealthy", "xid-79"), _t(2, "Unhealthy", "Healthy"),
-                        _t(3, "Healthy", "Unhealthy", "xid-79")], names) == 3
-    due = agg.due(0.0)
+                        _t(3, "Healthy", "Unhealthy", "xid-79")], names, 0.0) == 3
+    due = agg.due(1.0)  # the burst window closed
     assert sorted((e.spec.reason, e.pending) for e in due) == [("GPURecovered", 1), ("GPUUnhealthy", 2)]
     body = agg.create_body(due[0], "uid-1", "default")
     assert body["count"] == due[0].pending and body["involvedObject"] == {
         "apiVersion": "v1", "kind": "Node", "name": "n1", "uid": "uid-1"}
     for e in due:
-        agg.created(e, f"ev-{e.spec.reason}", 0.0)
-    agg.observe([_t(4, "Unhealthy", "Healthy"), _t(5, "Healthy", "Unhealthy", "xid-79", t=T0 + 5)], names)
-    assert agg.due(5.0) == [] and agg.next_due() == 10.0  # paced: one request per key per interval
-    again = agg.due(10.0)
+        agg.created(e, f"ev-{e.spec.reason}", 1.0)
+    agg.observe([_t(4, "Unhealthy", "Healthy"), _t(5, "Healthy", "Unhealthy", "xid-79", t=T0 + 5)], names, 5.0)
+    assert agg.due(6.0) == [] and agg.next_due() == 11.0  # paced: one request per key per interval
+    again = agg.due(11.0)
     unhealthy = next(e for e in again if e.spec.reason == "GPUUnhealthy")
-    assert not agg.needs_create(unhealthy, 10.0)
+    assert not agg.needs_create(unhealthy, 11.0)
     assert agg.patch_body(unhealthy)["count"] == 3
-    assert agg.needs_create(unhealthy, 600.0)  # outside the aggregation window a new Event starts
+    assert agg.needs_create(unhealthy, 601.0)  # outside the aggregation window a new Event starts
 
 
 # Timing primitives ----------------------------------------------------------------------------------------------

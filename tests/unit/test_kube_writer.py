@@ -242,6 +242,30 @@ def test_events_are_posted_on_the_node_and_aggregated(api: FakeApiServer, tmp_pa
     assert h.rep.status().events_written == 4
 
 
+def test_a_driver_reload_across_the_gpus_is_one_event_per_direction(api: FakeApiServer, tmp_path: Path) -> None:
+    h = Harness(api, tmp_path)
+    h.node.publish(T0)
+    h.at(1001.0)
+    for g in range(8):  # the rollout's shape: the 8 GPUs go Unknown within 0.5 s, and back 30 s later
+        h.at(1001.0 + g / 16)
+        h.set(g, State.UNKNOWN, "nvml-error")
+    h.at(1001.99)
+    assert api.count("POST", "/events") == 0  # the burst window (the debounce) is still open
+    h.at(1002.0)
+    assert api.count("POST", "/events") == 1  # ... and its Event goes out when it closes, 1 s after the first
+    for g in range(8):
+        h.at(1031.0 + g / 16)
+        h.set(g, State.HEALTHY)
+    h.at(1100.0)
+    events = sorted(api.events.values(), key=lambda e: str(e["reason"]))
+    assert [(e["reason"], e["count"]) for e in events] == [("GPURecovered", 1), ("GPUUnknown", 1)]
+    names = ", ".join(f"gpu.{g}" for g in range(8))
+    assert events[1]["message"].startswith(f"8 GPUs ({names}): Healthy -> Unknown: nvml-error: ")
+    assert events[0]["message"] == f"8 GPUs ({names}): Unknown -> Healthy"
+    assert api.count("POST", "/events") == 2 and api.count("PATCH", "/events/") == 0
+    assert h.rep.status().events_written == 2
+
+
 def test_event_that_expired_is_created_again(api: FakeApiServer, tmp_path: Path) -> None:
     h = Harness(api, tmp_path)
     h.node.publish(T0)
