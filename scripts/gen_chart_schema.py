@@ -245,6 +245,7 @@ _DURATION_PATTERN = rf"^\s*(?:{_DURATION_NUMBER}|(?:{DURATION_PART.pattern})+)\s
 
 _CONTROLLER_NUMBERS: dict[Callable[[Any], Any], Schema] = {
     ctl.count: {"type": "integer", "minimum": 0},
+    ctl.concurrency: {"type": "integer", "minimum": 1, "maximum": 32},
     ctl.fraction: {"type": "number", "minimum": 0, "maximum": 1},
     ctl.open_fraction: {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
     ctl.positive: {"type": "number", "exclusiveMinimum": 0},

@@ -94,6 +94,12 @@ def count(v: Any) -> int:
     return n
 
 
+def concurrency(v: Any) -> int:
+    """A number of writers: a whole number from 1 to 32."""
+    n = count(v)
+    if not 1 <= n <= 32:
+        raise ValueError(f"must be from 1 to 32, got {v!r}")
+    return n
 
 
 def _string(check: Callable[[str], str]) -> Callable[[Any], str]:
@@ -218,6 +224,10 @@ class ControllerConfig:
     quarantine_label: str = field(default="", metadata=spec(
         _string(_label), "key=value label put on a quarantined node for external automation; empty: none",
         "KEY=VALUE", key="quarantine.label", shown_default="none"))
+    write_concurrency: int = field(default=4, metadata=spec(
+        concurrency, "quarantine writes in flight at once (1 to 32), each writer on a connection of its "
+        "own, so that a storm's quarantines land together; 1 writes them one at a time", "N",
+        key="quarantine.writeConcurrency"))
     drain: bool = field(default=False, metadata=spec(
         parse_bool, "evict the pods of a quarantined node through the Eviction API (PodDisruptionBudgets apply)",
         key="drain.enabled"))

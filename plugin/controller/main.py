@@ -42,20 +42,22 @@ class Controller:
 
     def __init__(self, cfg: ControllerConfig) -> None:
         self.cfg = cfg
-        # Three connections: the watch holds its own; the Lease renewals must never queue behind a slow write.
+        # Three connections: the watch holds its own; the Lease renewals must never queue behind a slow write. And
+        # one per quarantine writer beyond the first (--write-concurrency): each has one request in flight.
         def client() -> KubeClient:
             return KubeClient(cfg.kubeconfig, component=CONTROLLER)
 
         self.work_api = client()
         self.lease_api = client()
         self.watch_api = client()
+        self.writer_apis = [client() for _ in range(cfg.write_concurrency)] if cfg.write_concurrency > 1 else []
         self.reconciler: Reconciler
         self.leader = LeaderElector(self.lease_api, cfg.namespace, cfg.lease_name, cfg.identity,
                                     lease_duration_s=cfg.lease_duration_s, renew_deadline_s=cfg.renew_deadline_s,
                                     retry_period_s=cfg.retry_period_s,
                                     on_change=lambda leading: self.reconciler.leadership_changed(leading),
                                     on_annotations=lambda: self.reconciler.lease_changed())
-        self.reconciler = Reconciler(self.work_api, settings_of(cfg), self.leader)
+        self.reconciler = Reconciler(self.work_api, settings_of(cfg), self.leader, writers=self.writer_apis)
         self.watcher = NodeWatcher(self.watch_api, cfg.node_selector, self.reconciler,
                                    resync_s=cfg.resync_interval_s)
         self.metrics = None
@@ -89,7 +91,7 @@ class Controller:
         self.watcher.stop()
         if self.metrics is not None:
             self.metrics.stop()
-        for api in (self.work_api, self.lease_api):
+        for api in (self.work_api, self.lease_api, *self.writer_apis):
             api.close()
 
 

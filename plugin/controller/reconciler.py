@@ -9,6 +9,16 @@ their Node dirty when due, so an idle fleet costs no work and no request.
 A write's answer goes into the cache at once, so counts (and the breaker) are exact before the watch echoes it; the
 echo, and any older event still in flight, is recognised by its resourceVersion and ignored. Every write carries
 the resourceVersion it was decided on; a 409 means the Node moved, and it is read again and decided again.
+
+Given writer clients (``writers``, each its own connection), a quarantine's two requests (the Node PATCH and its
+GPUNodeQuarantined Event) are made on a writer thread while the worker goes on deciding: a correlated storm is
+hundreds of quarantines at once, each one round trip after another on a single connection. Only quarantines fan out:
+releases trickle in one by one as Nodes pass their hold, the NoExecute taints follow their quarantines by a grace,
+and the drain is paced by its eviction rate anyway. The decisions stay on the worker, in the same order, and the
+breaker stays exact: a candidate's slot is reserved under the lock before its write is handed off and counted with
+the quarantined until the answer is stored (or the write failed); a candidate the limit refuses while writes are in
+flight waits for them first, so that it is refused on the same counts the inline path would have seen. A step waits
+for all its writes before it settles the breaker and returns, so no Node is decided while its write is in flight.
 """
 
 from __future__ import annotations
@@ -17,7 +27,8 @@ import heapq
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -137,14 +148,33 @@ class Stats:
     event_failures: int = 0
     evictions_blocked: int = 0
     last_error: str = ""
+    # The writer threads count too (their requests, their Events): one read-modify-write at a time.
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def count(self, table: dict[str, int], key: str) -> None:
-        table[key] = table.get(key, 0) + 1
+        with self._lock:
+            table[key] = table.get(key, 0) + 1
+
+    def posted(self, ok: bool) -> None:
+        with self._lock:
+            if ok:
+                self.events_posted += 1
+            else:
+                self.event_failures += 1
+
+
+@dataclass(frozen=True)
+class _Written:
+    """A quarantine write handed to a writer thread: what the worker does with its outcome once it is back (None:
+    written; else the exception the inline path would have raised)."""
+
+    name: str
+    outcome: Exception | None
 
 
 class Reconciler:
     def __init__(self, api: ControllerApi, settings: Settings, leader: Leadership,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, writers: Sequence[ControllerApi] = ()) -> None:
         self.api = api
         self.s = settings
         self.leader = leader
@@ -174,6 +204,16 @@ class Reconciler:
         self._evictions = TokenBucket(60.0 / settings.drain_per_minute)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # The quarantine writers (none: every write inline on ``api``). A writer client is taken for each write and
+        # given back with its outcome, so at most len(writers) writes are in flight and each has a connection.
+        self._writers = len(writers)
+        self._free: list[ControllerApi] = list(writers)
+        self._pool = (ThreadPoolExecutor(self._writers, thread_name_prefix="quarantine-write") if writers
+                      else None)
+        self._reserved: set[str] = set()  # candidates whose quarantine is in flight: they count as quarantined
+        self._written: list[_Written] = []  # outcomes back from the writers, for the worker to act on
+        self._handed: set[str] = set()  # the Nodes this step handed to a writer (worker thread only)
+        self._halted = False  # a writer found the Lease lost: no further write starts in this step
 
     # The feed (watcher thread) ----------------------------------------------------------------------------------
 
@@ -360,6 +400,8 @@ class Reconciler:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(10.0)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
 
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -391,23 +433,30 @@ class Reconciler:
             # The Nodes the Lease names as ours and out of sight are read first: they count before anyone is decided.
             todo = sorted(self._dirty, key=lambda n: n not in self._lost)
             self._dirty.clear()
+            self._halted = False
+        self._handed.clear()
         self._flush_lease_events()
-        for name in todo:
-            if not self.leader.is_leader():
-                break  # lost the Lease mid-batch: stop writing at once
-            try:
-                self._decide(name, now)
-                e = self.entries.get(name)
-                if e is not None:
-                    e.backoff.reset()
-            except NotLeading:
-                log.info("reconcile %s: no longer the leader; stopping before the next write", name)
-                break
-            except Refused as exc:
-                self._refused(name, exc, now)
-            except ApiFailure as exc:
-                self._failed(name, exc, now)
-            self._flush_lease_events()
+        try:
+            for name in todo:
+                if self._halted or not self.leader.is_leader():
+                    break  # lost the Lease mid-batch: stop writing at once
+                try:
+                    self._decide(name, now)
+                    e = self.entries.get(name)
+                    if e is not None and name not in self._handed:  # a handed write resets it when it lands
+                        e.backoff.reset()
+                except NotLeading:
+                    log.info("reconcile %s: no longer the leader; stopping before the next write", name)
+                    break
+                except Refused as exc:
+                    self._refused(name, exc, now)
+                except ApiFailure as exc:
+                    self._failed(name, exc, now)
+                self._flush_lease_events()
+        finally:
+            # Every write of this step lands (or fails) before the breaker settles and before the next step, which
+            # then sees exact counts and never decides a Node whose write is still in flight.
+            self._await_writes(0, now)
         with self._cond:
             self._settle(now)
             # Work queued by this step (a re-read after a 409, candidates the closed breaker lets go) is due now.
@@ -512,13 +561,22 @@ class Reconciler:
             if a.reason is None:
                 e.blocked_told = False
                 return
-            with self._cond:
-                # A Node the Lease names as ours but not read yet counts as quarantined until it is.
-                allowed = self.breaker.allows(len(self.quarantined) + len(self._lost),
-                                              len(self.gpu_nodes) + len(self._lost))
+            if self._pool is not None and not self.s.dry_run:
+                self._await_writes(self._writers - 1, now)  # a writer free before a slot is reserved for it
+            allowed = self._reserve(name)
+            if not allowed and self._reserved:
+                # Refused only on settled counts: a write in flight may yet fail and give its slot back, as it
+                # would have before this Node was looked at on the inline path.
+                self._await_writes(0, now)
+                allowed = self._reserve(name)
+            if self._halted:
+                with self._cond:
+                    self._reserved.discard(name)
+                raise NotLeading()
             if allowed:
                 self._quarantine(e, a, now)
-                e.blocked_told = False
+                if name not in self._handed:
+                    e.blocked_told = False
                 return
             with self._cond:
                 self._trip(now)
@@ -576,14 +634,97 @@ class Reconciler:
             return
         patch = patches.quarantine(f, self.s.keys, reason=a.reason, message=a.message[:256], now=rfc3339(now),
                                    cordon=self.s.cordon, label=self.s.label)
+        event = self._event_body(f, "GPUNodeQuarantined", "Warning",
+                                 f"quarantined ({', '.join(what)}): {a.reason}: {a.message}", now)
+        said = f"quarantined {f.name}: {a.reason}: {a.message}"
+        if self._pool is not None:
+            with self._cond:
+                api = self._free.pop()  # _decide waited for one
+            self._handed.add(f.name)
+            self._pool.submit(self._write_out, api, e, patch, event, said)
+            return
         self._write(e, "quarantine", patch)
-        log.info("quarantined %s: %s: %s", f.name, a.reason, a.message)
-        self._event(f, "GPUNodeQuarantined", "Warning", f"quarantined ({', '.join(what)}): {a.reason}: {a.message}",
-                    now)
+        log.info("%s", said)
+        self._post(EVENT_NAMESPACE, event)
+        self._quarantined(e, now)
+
+    def _quarantined(self, e: Entry, now: float) -> None:
+        """What follows a quarantine's write: the timers of its next stages."""
         if self.s.no_execute_after_s > 0:
-            self._at(now + self.s.no_execute_after_s, f.name)
+            self._at(now + self.s.no_execute_after_s, e.facts.name)
         if self.s.drain:
-            self._at(now, f.name)
+            self._at(now, e.facts.name)
+
+    # The quarantine writers -------------------------------------------------------------------------------------
+
+    def _reserve(self, name: str) -> bool:
+        """Whether the breaker lets one more quarantine through; with writers, the slot is taken at once."""
+        with self._cond:
+            # A Node the Lease names as ours but not read yet counts as quarantined until it is.
+            allowed = self.breaker.allows(self._held() + len(self._lost), len(self.gpu_nodes) + len(self._lost))
+            if allowed and self._pool is not None and not self.s.dry_run:
+                self._reserved.add(name)
+            return allowed
+
+    def _held(self) -> int:
+        """Quarantined, or about to be (in flight); a Node whose echo came before its answer counts once."""
+        return len(self.quarantined) + sum(1 for n in self._reserved if n not in self.quarantined)
+
+    def _waiting(self) -> int:
+        return len(self.candidates) - sum(1 for n in self._reserved if n in self.candidates)
+
+    def _write_out(self, api: ControllerApi, e: Entry, patch: dict[str, Any], event: dict[str, Any],
+                   said: str) -> None:
+        """A writer thread: the quarantine's PATCH and Event on its own connection. Its slot is given back when
+        the answer is stored (it is quarantined then) or when the write failed."""
+        name = e.facts.name
+        outcome: Exception | None = None
+        try:
+            if self._halted:
+                raise NotLeading()
+            self._write(e, "quarantine", patch, api=api, reserved=True)
+            log.info("%s", said)
+            self._post(EVENT_NAMESPACE, event, api=api)
+        except NotLeading as exc:
+            outcome = exc
+            with self._cond:
+                self._halted = True
+        except Exception as exc:  # the worker acts on it as the inline path would on its own thread
+            outcome = exc
+        finally:
+            with self._cond:
+                self._reserved.discard(name)
+                self._free.append(api)
+                self._written.append(_Written(name, outcome))
+                self._cond.notify_all()
+
+    def _await_writes(self, most: int, now: float) -> None:
+        """Wait until at most ``most`` quarantine writes are in flight, then act on the outcomes back so far, on
+        this (the worker's) thread, as the inline path acts on a write's success or failure."""
+        if self._pool is None:
+            return
+        with self._cond:
+            while self._writers - len(self._free) > most:
+                self._cond.wait()
+            written, self._written = self._written, []
+        for w in written:
+            e = self.entries.get(w.name)
+            if w.outcome is None:
+                if e is not None:
+                    e.blocked_told = False
+                    e.backoff.reset()
+                    self._quarantined(e, now)
+            elif isinstance(w.outcome, NotLeading):
+                log.info("reconcile %s: no longer the leader; no further write in this step", w.name)
+            elif isinstance(w.outcome, Refused):
+                self._refused(w.name, w.outcome, now)
+            elif isinstance(w.outcome, ApiFailure):
+                self._failed(w.name, w.outcome, now)
+            else:
+                log.error("reconcile %s: unexpected error in its quarantine write: %r", w.name, w.outcome)
+                if e is not None:
+                    self._at(now + e.backoff.next_delay(), w.name)
+            self._flush_lease_events()
 
     def _release(self, e: Entry, now: float) -> None:
         f = e.facts
@@ -609,10 +750,11 @@ class Reconciler:
         if not self.leader.is_leader():
             raise NotLeading()
 
-    def _write(self, e: Entry, action: str, patch: dict[str, Any]) -> None:
+    def _write(self, e: Entry, action: str, patch: dict[str, Any], api: ControllerApi | None = None,
+               reserved: bool = False) -> None:
         self._must_lead()
         try:
-            node = self.api.patch_node(e.facts.name, patch)
+            node = (api or self.api).patch_node(e.facts.name, patch)
         except ApiFailure as exc:
             self.stats.count(self.stats.api_failures, "patch")
             if permanent(exc.status):
@@ -622,6 +764,8 @@ class Reconciler:
         with self._cond:
             if self._store_answer(node):
                 self._dirty.pop(e.facts.name, None)
+            if reserved:
+                self._reserved.discard(e.facts.name)  # in ``quarantined`` now, in the same breath
 
     def _drain(self, e: Entry, now: float) -> None:
         f = e.facts
@@ -663,7 +807,7 @@ class Reconciler:
     # The breaker ------------------------------------------------------------------------------------------------
 
     def _trip(self, now: float) -> None:
-        opened = self.breaker.trip(rfc3339(now), len(self.quarantined), len(self.candidates), len(self.gpu_nodes))
+        opened = self.breaker.trip(rfc3339(now), self._held(), self._waiting(), len(self.gpu_nodes))
         if opened:
             st = self.breaker.state
             log.warning("circuit breaker open: %s; no more quarantines until it closes or an operator resets it "
@@ -674,7 +818,7 @@ class Reconciler:
                               f"again or an operator resets it", now)
 
     def _settle(self, now: float) -> None:
-        if self.breaker.settle(rfc3339(now), len(self.quarantined), len(self.candidates), len(self.gpu_nodes)):
+        if self.breaker.settle(rfc3339(now), self._held(), self._waiting(), len(self.gpu_nodes)):
             log.info("circuit breaker closed: %s", self.breaker.state.reason)
             for name in self.candidates:  # held back while it was open: nothing else would look at them again
                 self._dirty[name] = None
@@ -701,10 +845,12 @@ class Reconciler:
     # Events -----------------------------------------------------------------------------------------------------
 
     def _event(self, f: NodeFacts, reason: str, type_: str, message: str, now: float) -> None:
-        body = event_body(Involved("Node", f.name, uid=f.uid), EVENT_NAMESPACE, reason=reason, type_=type_,
+        self._post(EVENT_NAMESPACE, self._event_body(f, reason, type_, message, now))
+
+    def _event_body(self, f: NodeFacts, reason: str, type_: str, message: str, now: float) -> dict[str, Any]:
+        return event_body(Involved("Node", f.name, uid=f.uid), EVENT_NAMESPACE, reason=reason, type_=type_,
                           message=message, count=1, first=now, last=now, host=self.s.identity,
                           component=CONTROLLER)
-        self._post(EVENT_NAMESPACE, body)
 
     def _lease_event(self, reason: str, type_: str, message: str, now: float) -> None:
         body = event_body(Involved("Lease", self.s.lease_name, namespace=self.s.namespace), self.s.namespace,
@@ -719,17 +865,17 @@ class Reconciler:
         for body in events:
             self._post(self.s.namespace, body)
 
-    def _post(self, namespace: str, body: dict[str, Any]) -> None:
+    def _post(self, namespace: str, body: dict[str, Any], api: ControllerApi | None = None) -> None:
         if not self.leader.is_leader():
             # Only the leader speaks for the controller; the Node's record says what was done.
             log.info("event %s not posted: no longer the leader", body.get("reason"))
             return
         try:
-            self.api.create_event(namespace, body)
-            self.stats.events_posted += 1
+            (api or self.api).create_event(namespace, body)
+            self.stats.posted(True)
         except ApiFailure as exc:
             # The Node's annotations are the record; a lost Event is logged and counted, never retried.
-            self.stats.event_failures += 1
+            self.stats.posted(False)
             log.warning("event %s: %s", body.get("reason"), exc)
 
     # Views ------------------------------------------------------------------------------------------------------

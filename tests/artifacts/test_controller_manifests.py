@@ -378,7 +378,7 @@ def test_config_file_is_v1_with_the_documented_defaults(rendered: dict[str, list
     assert doc == {
         "version": "v1",
         "policy": {"unhealthyDevices": 1, "unhealthyFraction": 0, "rebootRequired": True, "capacityGap": 1},
-        "quarantine": {"noExecuteAfter": 0, "cordon": False, "label": ""},
+        "quarantine": {"noExecuteAfter": 0, "cordon": False, "label": "", "writeConcurrency": 4},
         "drain": {"enabled": False, "evictionsPerMinute": 10},
         "release": {"recoveryHold": "10m"},
         "breaker": {"maxQuarantinedFraction": 0.1, "maxQuarantinedNodes": 0},

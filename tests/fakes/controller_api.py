@@ -115,6 +115,10 @@ def plain_node(name: str) -> dict[str, Any]:
 
 
 class FakeControllerApi:
+    """Safe to call from several threads at once (the controller's quarantine writers share one server): the state
+    and the bookkeeping change under one lock; the hooks (``leading``, ``on_call``, ``before_patch``) run outside
+    it, so that they may call back in or block."""
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.rv = 100
@@ -146,6 +150,13 @@ class FakeControllerApi:
         self.filter_lists = False  # True: a LIST returns only the Nodes its label selector matches, as the server does
         self.idle = threading.Event()  # set when a watch found no scripted stream left and waits for close()
         self._closed = threading.Event()
+        # Node patches under way (past their bookkeeping, not yet answered), and the most there ever were at once.
+        # ``hold_patches``, while clear, keeps each patch waiting there: the writes a controller has in flight.
+        self.hold_patches = threading.Event()
+        self.hold_patches.set()
+        self.patches_in_flight = 0
+        self.most_patches_in_flight = 0
+        self._patching = threading.Condition(self._lock)
 
     # Helpers for tests -------------------------------------------------------------------------------------------
 
@@ -188,20 +199,36 @@ class FakeControllerApi:
 
     def fail(self, call: str, status: int | None, message: str = "injected", times: int = 1,
              retry_after: float | None = None) -> None:
-        """The next ``times`` requests of ``call`` (e.g. "patch node", "update lease", "evict pod") fail."""
-        self.failures.setdefault(call, []).extend(ApiFailure(status, message, retry_after) for _ in range(times))
+        """The next ``times`` requests of ``call`` (e.g. "patch node", "update lease", "evict pod", or one target's:
+        "patch node n3") fail."""
+        with self._lock:
+            self.failures.setdefault(call, []).extend(ApiFailure(status, message, retry_after) for _ in range(times))
+
+    def wait_patches_in_flight(self, n: int, timeout: float = 10.0) -> bool:
+        """Wait until ``n`` Node patches are under way at once (see ``hold_patches``)."""
+        with self._patching:
+            return self._patching.wait_for(lambda: self.patches_in_flight >= n, timeout)
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        """Every Node as it is now, read at one instant."""
+        with self._lock:
+            return copy.deepcopy(self.nodes)
 
     def _enter(self, call: str, detail: str) -> None:
-        self.calls.append(f"{call} {detail}")
-        if call in ("patch node", "evict pod", "create event") and self.leading is not None and not self.leading():
-            self.unled_writes.append(f"{call} {detail}")
+        unled = call in ("patch node", "evict pod", "create event") and self.leading is not None and not self.leading()
+        with self._lock:
+            self.calls.append(f"{call} {detail}")
+            if unled:
+                self.unled_writes.append(f"{call} {detail}")
         if self.on_call is not None:
             self.on_call(f"{call} {detail}")
         if self.down:
             raise ApiFailure(None, "ConnectionRefusedError: [Errno 111] Connection refused")
-        queued = self.failures.get(call)
-        if queued:
-            raise queued.pop(0)
+        with self._lock:
+            for key in (f"{call} {detail}", call):
+                queued = self.failures.get(key)
+                if queued:
+                    raise queued.pop(0)
 
     # Nodes -------------------------------------------------------------------------------------------------------
 
@@ -256,11 +283,25 @@ class FakeControllerApi:
             return copy.deepcopy(self.nodes[name])
 
     def patch_node(self, name: str, patch: Mapping[str, Any]) -> dict[str, Any]:
-        self._enter("patch node", name)
-        if name in self.refuse_patches:
-            raise self.refuse_patches[name]
-        if self.before_patch is not None:
+        self._enter("patch node", name)  # arrived (and recorded, led or not) before it waits
+        with self._patching:
+            self.patches_in_flight += 1
+            self.most_patches_in_flight = max(self.most_patches_in_flight, self.patches_in_flight)
+            self._patching.notify_all()
+        try:
+            self.hold_patches.wait()
+            return self._patch_node(name, patch)
+        finally:
+            with self._patching:
+                self.patches_in_flight -= 1
+
+    def _patch_node(self, name: str, patch: Mapping[str, Any]) -> dict[str, Any]:
+        refused = self.refuse_patches.get(name)
+        if refused is not None:
+            raise refused
+        with self._lock:
             racer, self.before_patch = self.before_patch, None
+        if racer is not None:
             racer(name)
         with self._lock:
             if name not in self.nodes:

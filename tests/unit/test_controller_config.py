@@ -48,6 +48,7 @@ SAMPLES: dict[str, tuple[str, Any, str, Any]] = {
     "cordon": ("true", True, "false", False),
     "quarantine_label": ("gpu-health.io/quarantined=true", "gpu-health.io/quarantined=true",
                          "example.com/out=", "example.com/out="),
+    "write_concurrency": ("8", 8, "1", 1),
     "drain": ("true", True, "false", False),
     "drain_per_minute": ("2.5", 2.5, "60", 60.0),
     "recovery_hold_s": ("90s", 90.0, "0", 0.0),
@@ -120,6 +121,7 @@ def test_the_file_schema_is_the_agreed_one() -> None:
         "logFormat", "logLevel", "dryRun", "resyncInterval",
         "policy.unhealthyDevices", "policy.unhealthyFraction", "policy.rebootRequired", "policy.capacityGap",
         "quarantine.noExecuteAfter", "quarantine.cordon", "quarantine.label",
+        "quarantine.writeConcurrency",
         "drain.enabled", "drain.evictionsPerMinute", "release.recoveryHold", "breaker.maxQuarantinedFraction",
         "breaker.maxQuarantinedNodes",
         "leaderElection.leaseDuration", "leaderElection.renewDeadline", "leaderElection.retryPeriod"}
@@ -215,6 +217,8 @@ FLAG_REJECTIONS: list[tuple[list[str], str, str]] = [
     # 245 characters is a DNS subdomain, but controller.<it> (the controller's own record) is not.
     (["--annotation-prefix", ".".join(["a" * 60] * 4) + ".io"], "--annotation-prefix", "controller.aaaa"),
     (["--max-quarantined-nodes", "-3"], "--max-quarantined-nodes", "must be 0 or more"),
+    (["--write-concurrency", "0"], "--write-concurrency", "must be from 1 to 32, got '0'"),
+    (["--write-concurrency", "33"], "--write-concurrency", "must be from 1 to 32, got '33'"),
     (["--namespace", "Team_A"], "--namespace", "DNS label"),
     (["--namespace", "x" * 64], "--namespace", "at most 63"),
     (["--identity", "two words"], "--identity", "without spaces"),
@@ -293,6 +297,8 @@ FILE_REJECTIONS: list[tuple[str, str, str]] = [
     ("version: v1\nbreaker:\n  maxQuarantinedNodes: -1\n", "breaker.maxQuarantinedNodes",
      "breaker.maxQuarantinedNodes: must be 0 or more, got -1"),
     ("version: v1\nbreaker:\n  maxQuarantinedNodes: 2.5\n", "breaker.maxQuarantinedNodes", "whole number"),
+    ("version: v1\nquarantine:\n  writeConcurrency: 64\n", "quarantine.writeConcurrency",
+     "quarantine.writeConcurrency: must be from 1 to 32, got 64"),
     ("version: v1\nbreaker:\n  maxQuarantinedFraction: 2\n", "breaker.maxQuarantinedFraction",
      "breaker.maxQuarantinedFraction: must be in (0, 1], got 2"),
     ("version: v1\nrelease:\n  recoveryHold: 10 minutes\n", "release.recoveryHold", "got '10 minutes'"),

@@ -14,6 +14,9 @@ After every step:
   the limit computed from the denominator rule (GPU nodes matching the selector plus Nodes carrying our record);
 - nothing an operator put on a Node (a cordon, a taint, a label value) is taken off or changed;
 - no replica writes (Node patch, eviction, Event) while its leadership says it does not lead.
+The same machine runs again with three quarantine writers per replica (``Reconciler(writers=...)``, each its own
+client): there the breaker's promise is also checked at every Node patch a writer thread makes, while other writes
+are in flight, not only between steps.
 At the end (teardown): once every Node is healthy, refusals are gone, a replica leads and the clock runs past the
 hold (and the out-of-sight re-read), every quarantine is released.
 
@@ -23,6 +26,7 @@ Deterministic: derandomized, no example database, a bounded number of examples a
 from __future__ import annotations
 
 import copy
+import threading
 from typing import Any
 
 from hypothesis import HealthCheck, settings
@@ -60,6 +64,7 @@ class Replica:
     def __init__(self, m: ControllerMachine, name: str) -> None:
         self.m = m
         self.name = name
+        self.lock = threading.Lock()  # the countdowns below are asked from the writer threads too
         self.leader = False
         self.told = False  # what leadership_changed last said
         self.lose_after: int | None = None  # the Lease expires at this question ...
@@ -68,17 +73,20 @@ class Replica:
         settings = Settings(keys=KEYS, rules=Rules(), recovery_hold_s=HOLD_S, no_execute_after_s=20.0,
                             cordon=True, label=self.label, max_quarantined_fraction=FRACTION,
                             max_quarantined_nodes=CAP, identity=name)
-        self.rec = Reconciler(ReplicaApi(m.api, self), settings, self, clock=m.clock)  # type: ignore[arg-type]
+        writers = [ReplicaApi(m.api, self) for _ in range(m.WRITERS)]
+        self.rec = Reconciler(ReplicaApi(m.api, self), settings, self, clock=m.clock,  # type: ignore[arg-type]
+                              writers=writers)  # type: ignore[arg-type]
         self.rec.replace(m.api.list_nodes(SELECTOR)[0])
 
     # Leadership, as the reconciler asks it
     def is_leader(self) -> bool:
-        if self.lose_after is not None:
-            if self.lose_after <= 0:
-                self.leader, self.lose_after = False, None
-            else:
-                self.lose_after -= 1
-        return self.leader
+        with self.lock:
+            if self.lose_after is not None:
+                if self.lose_after <= 0:
+                    self.leader, self.lose_after = False, None
+                else:
+                    self.lose_after -= 1
+            return self.leader
 
     def annotations(self) -> dict[str, str]:
         return dict(self.m.lease)
@@ -122,11 +130,12 @@ class ReplicaApi:
 
     def _in_flight(self) -> None:
         r = self.replica
-        if r.lose_during is not None:
-            if r.lose_during <= 0:
-                r.leader, r.lose_during = False, None  # the renewal deadline passed while this request waited
-            else:
-                r.lose_during -= 1
+        with r.lock:
+            if r.lose_during is not None:
+                if r.lose_during <= 0:
+                    r.leader, r.lose_during = False, None  # the renewal deadline passed while this request waited
+                else:
+                    r.lose_during -= 1
 
     def get_node_doc(self, name: str) -> dict[str, Any]:
         self._in_flight()
@@ -139,6 +148,7 @@ class ReplicaApi:
     def patch_node(self, name: str, patch: dict[str, Any]) -> dict[str, Any]:
         self._check(f"patch node {name}")
         answer = self.api.patch_node(name, patch)
+        self.replica.m.observe()
         self.replica.m._deliver(name, react=False)  # the watch's echo reaches every replica (the writer ignores it)
         return answer
 
@@ -155,8 +165,12 @@ names = st.sampled_from(NAMES)
 
 
 class ControllerMachine(RuleBasedStateMachine):
+    WRITERS = 0  # quarantine writer threads per replica: 0, every write inline on the worker
+
     def __init__(self) -> None:
         super().__init__()
+        self.observing = threading.Lock()
+        self.violations: list[str] = []  # the breaker's promise broken at a patch, seen on a writer thread
         self.clock = FakeClock(T0)
         self.api = FakeControllerApi()
         self.api.clock = self.clock
@@ -213,13 +227,14 @@ class ControllerMachine(RuleBasedStateMachine):
         for r in self.replicas:
             r.step()
 
-    def _ours(self) -> set[str]:
-        return {n for n, d in self.api.nodes.items() if facts_of(d, KEYS).quarantine is not None}
+    def _ours(self, nodes: dict[str, dict[str, Any]] | None = None) -> set[str]:
+        nodes = self.api.snapshot() if nodes is None else nodes
+        return {n for n, d in nodes.items() if facts_of(d, KEYS).quarantine is not None}
 
-    def _limit(self) -> int:
+    def _limit(self, nodes: dict[str, dict[str, Any]] | None = None) -> int:
         """The denominator rule: GPU nodes matching the selector, plus every Node carrying our record."""
         counted = 0
-        for doc in self.api.nodes.values():
+        for doc in (self.api.snapshot() if nodes is None else nodes).values():
             f = facts_of(doc, KEYS)
             counted += f.quarantine is not None or (self._in_selector(doc) and f.is_gpu_node)
         return limit_for(FRACTION, counted, CAP)
@@ -234,7 +249,9 @@ class ControllerMachine(RuleBasedStateMachine):
                 agent(self.api, name, {0: "Unhealthy"}, self.clock.now)
             else:
                 self.api.edit(name, {"status": {"allocatable": {"nvidia.com/gpu": "1"}}})
-            self._deliver(name)
+            self._deliver(name, react=not self.WRITERS)
+        if self.WRITERS:  # with writers, the wave arrives as one: its candidates are decided in one step
+            self._step_all()
 
     @rule(name=st.sampled_from(AGENT_NODES), gpu=st.integers(0, 1),
           state=st.sampled_from(("Unhealthy", "Healthy", "Unhealthy", "Healthy", "Unknown", "Degraded")),
@@ -423,6 +440,7 @@ class ControllerMachine(RuleBasedStateMachine):
         slot = self._restartable()
         assert slot is not None
         self.label = label
+        self.replicas[slot].rec.stop()  # its writer threads end with it
         self.replicas[slot] = Replica(self, self.replicas[slot].name)
         self._step_all()
 
@@ -436,12 +454,20 @@ class ControllerMachine(RuleBasedStateMachine):
 
     # Invariants ----------------------------------------------------------------------------------------------------
 
+    def observe(self) -> None:
+        """The breaker's promise, checked now: after a Node patch (on whatever thread made it), and between
+        steps. A breach seen on a writer thread is kept for the invariant to report."""
+        with self.observing:
+            nodes = self.api.snapshot()
+            now, limit = self._ours(nodes), self._limit(nodes)
+            if now - self.before and len(now) > limit:
+                self.violations.append(f"{sorted(now)} quarantined, the limit is {limit}")
+            self.before = now
+
     @invariant()
     def quarantines_only_within_the_limit(self) -> None:
-        now = self._ours()
-        if now - self.before:
-            assert len(now) <= self._limit(), (sorted(now), self._limit())
-        self.before = now
+        self.observe()
+        assert self.violations == []
 
     @invariant()
     def nothing_the_operator_added_is_taken_off(self) -> None:
@@ -480,9 +506,20 @@ class ControllerMachine(RuleBasedStateMachine):
         assert self._ours() == set(), {n: self.api.nodes[n]["metadata"].get("annotations") for n in self._ours()}
         self.nothing_the_operator_added_is_taken_off()
         self.no_write_while_not_leading()
+        self.quarantines_only_within_the_limit()
+        for r in self.replicas:
+            r.rec.stop()
 
 
 ControllerMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=40, derandomize=True, database=None, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 TestControllerInvariants = ControllerMachine.TestCase
+
+
+class ControllerMachineWithWriters(ControllerMachine):
+    WRITERS = 3
+
+
+ControllerMachineWithWriters.TestCase.settings = ControllerMachine.TestCase.settings
+TestControllerInvariantsWithWriters = ControllerMachineWithWriters.TestCase
