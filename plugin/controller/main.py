@@ -43,7 +43,7 @@ class Controller:
     def __init__(self, cfg: ControllerConfig) -> None:
         self.cfg = cfg
         # Three connections: the watch holds its own; the Lease renewals must never queue behind a slow write. And
-        # one per quarantine writer beyond the first (--write-concurrency): each has one request in flight.
+        # one per quarantine writer when there is more than one (--write-concurrency): each has one request in flight.
         def client() -> KubeClient:
             return KubeClient(cfg.kubeconfig, component=CONTROLLER)
 
