@@ -170,15 +170,22 @@ def free_port() -> int:
 
 
 def start_controller(fleet: Fleet, workdir: Path, kubeconfig: Path, port: int,
-                     breaker: float = 0.1) -> subprocess.Popen[bytes]:
-    config = {"version": "v1", "kubeconfig": str(kubeconfig), "namespace": NAMESPACE, "identity": "bench",
-              "metricsAddress": f"127.0.0.1:{port}", "release": {"recoveryHold": "0s"},
-              "breaker": {"maxQuarantinedFraction": breaker}}
+                     breaker: float = 0.1, writers: int = 0, nice: int = 0) -> subprocess.Popen[bytes]:
+    config: dict[str, Any] = {"version": "v1", "kubeconfig": str(kubeconfig), "namespace": NAMESPACE,
+                              "identity": "bench", "metricsAddress": f"127.0.0.1:{port}",
+                              "release": {"recoveryHold": "0s"}, "breaker": {"maxQuarantinedFraction": breaker}}
+    if writers:
+        config["quarantine"] = {"writeConcurrency": writers}
     path = workdir / "controller.yaml"
     path.write_text(json.dumps(config))
     log = open(workdir / "controller.log", "wb")  # noqa: SIM115 (kept open for the process's life)
-    return subprocess.Popen([sys.executable, "-m", "plugin.controller.main", "--config", str(path)], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-m", "plugin.controller.main", "--config", str(path)], cwd=REPO,
                             env=compiled_env(REPO), stdout=log, stderr=subprocess.STDOUT)
+    if nice:
+        # Its own share of the CPU, as on a node of its own: here it shares two cores with the API server, etcd and
+        # the simulated kubelets (a negative value needs root).
+        os.setpriority(os.PRIO_PROCESS, proc.pid, nice)
+    return proc
 
 
 def ready(port: int) -> bool:
@@ -218,16 +225,60 @@ def _wait_patch(fleet: Fleet, node: str, user: str, since: float, start: int, ti
     raise TimeoutError(f"{node}: no patch by {user} within {timeout_s:.0f}s")
 
 
-def latency(fleet: Fleet, changes: int, rng: random.Random, heal_after_s: float) -> tuple[list[float], list[float]]:
+class DeliveryProbe:
+    """A second watcher of one Node (a field selector on its name): the wall-clock time the API server delivered the
+    next change of its annotations to watchers. Set beside the controller's PATCH it splits "after the server
+    answered" into the watch delivery (the API server's) and the controller's part. The watch starts without a
+    version, so the server first sends the Node as it is (ADDED): the probe is in place, and knows the annotations
+    before, when the constructor returns. The arrival is stamped by a thread of this process, which also runs the
+    status reports: a busy moment here makes the delivery look later and the controller's part smaller, never the
+    other way."""
+
+    def __init__(self, client: KubeClient, node: str, timeout_s: float = 60.0) -> None:
+        self.delivered: float | None = None
+        self._before: dict[str, Any] | None = None
+        self._ready, self._done = threading.Event(), threading.Event()
+        query = {"fieldSelector": f"metadata.name={node}", "timeoutSeconds": str(int(timeout_s))}
+        self._stream = client.watch("/api/v1/nodes", query, timeout_s)
+        threading.Thread(target=self._run, daemon=True).start()
+        if not self._ready.wait(timeout_s):
+            raise TimeoutError(f"{node}: the probe's watch sent nothing in {timeout_s:.0f}s")
+
+    def _run(self) -> None:
+        try:
+            for event in self._stream:
+                at = time.time()
+                annotations = ((event.get("object") or {}).get("metadata") or {}).get("annotations") or {}
+                if self._before is None:
+                    self._before = annotations
+                    self._ready.set()
+                elif event.get("type") == "MODIFIED" and annotations != self._before:
+                    self.delivered = at
+                    return
+        except ApiFailure:
+            return
+        finally:
+            self._ready.set()
+            self._done.set()
+
+    def wait(self, timeout_s: float = 60.0) -> float | None:
+        self._done.wait(timeout_s)
+        return self.delivered
+
+
+def latency(fleet: Fleet, changes: int, rng: random.Random, heal_after_s: float,
+            client: KubeClient | None = None) -> tuple[list[float], list[float], list[float]]:
     """Annotation change -> taint, on the API server's clock: from the audit entry of the plugin-like PATCH of the
     annotations to that of the controller's quarantine PATCH of the same node (no client in between). Also, apart,
-    the part after the server had answered the annotation PATCH (what the watch and the controller take)."""
+    the part after the server had answered the annotation PATCH (what the watch and the controller take) and, with
+    ``client``, the part of that after a second watcher got the change (:class:`DeliveryProbe`)."""
     controller = fleet.user_of("controller")
-    out, after = [], []
+    out, after, ours = [], [], []
     names = fleet.node_names
     # Distinct nodes while the fleet has enough, so no sample follows the same node's own release.
     picks = rng.sample(names, changes) if changes <= len(names) else [rng.choice(names) for _ in range(changes)]
     for name in picks:
+        probe = DeliveryProbe(client, name) if client is not None else None
         since, mark = time.time() - 1.0, fleet.audit_mark()
         fleet.set_device_state(name, 2, "Unhealthy", "reset-gpu", "ecc-uncorrected")
         taint = _wait_patch(fleet, name, controller, since, mark)
@@ -237,12 +288,15 @@ def latency(fleet: Fleet, changes: int, rng: random.Random, heal_after_s: float)
                       and r.time <= taint.time), key=lambda r: r.time)
         out.append(taint.time - change.time)
         after.append(taint.time - change.completed)
+        delivered = probe.wait() if probe is not None else None
+        if delivered is not None:
+            ours.append(taint.time - delivered)
         since = taint.time
         time.sleep(heal_after_s)  # the device heals this long after the server received the taint (not timed)
         mark = fleet.audit_mark()
         fleet.set_device_state(name, 2, "Healthy")
         _wait_patch(fleet, name, controller, since + 1e-6, mark)  # the release (recovery hold 0 here)
-    return out, after
+    return out, after, ours
 
 
 def correlated(fleet: Fleet, client: KubeClient, share: float, breaker: float, rng: random.Random,
@@ -349,7 +403,8 @@ def profiler(pid: int, out: Path) -> subprocess.Popen[bytes]:
 
 def run(n: int, changes: int, idle_s: float, seed: int, lease_duration_s: int, realistic: bool,
         probes: list[str], heal_after_s: float, storm: float = 0.2, breaker: float = 0.1, heartbeats: bool = True,
-        large: bool = False, status_rate: float = 0.0, profile: Path | None = None) -> dict[str, Any]:
+        large: bool = False, status_rate: float = 0.0, profile: Path | None = None,
+        delivery: bool = False, writers: int = 0, nice: int = 0) -> dict[str, Any]:
     rng = random.Random(seed)
     work = Path(tempfile.mkdtemp(prefix=f"bench-fleet-{n}-"))
     started = time.monotonic()
@@ -363,7 +418,7 @@ def run(n: int, changes: int, idle_s: float, seed: int, lease_duration_s: int, r
               file=sys.stderr, flush=True)
         kubeconfig = fleet.kubeconfig_for("controller")
         port = free_port()
-        proc = start_controller(fleet, work, kubeconfig, port, breaker)
+        proc = start_controller(fleet, work, kubeconfig, port, breaker, writers, nice)
         try:
             client = KubeClient(fleet.kubeconfig)
             sync_s = wait_synced(client, proc, port)
@@ -372,7 +427,7 @@ def run(n: int, changes: int, idle_s: float, seed: int, lease_duration_s: int, r
             spy = profiler(proc.pid, profile / f"controller-{n}.txt") if profile else None
             pids = {**fleet.pids(), "controller": proc.pid, "bench": os.getpid()}
             busy0, t_busy = {k: cpu_seconds(v) for k, v in pids.items()}, time.monotonic()
-            lat, after = latency(fleet, changes, rng, heal_after_s)
+            lat, after, ours = latency(fleet, changes, rng, heal_after_s, client if delivery else None)
             t_busy = time.monotonic() - t_busy
             # Who had the machine while the single faults were timed: the share each process took of the 2 cores is
             # what the latency's growth with the fleet is made of (the API server's watch fan-out and status
@@ -405,6 +460,7 @@ def run(n: int, changes: int, idle_s: float, seed: int, lease_duration_s: int, r
             proc.wait(20)
         list_probes = list_probe(kubeconfig, probes) if probes else []
     return {"nodes": n, "heartbeats": "kwok" if heartbeats else "none", "large_control_plane": large,
+            "write_concurrency": writers or "default", "controller_nice": nice,
             "fleet_setup_s": round(fleet_s, 1), "breaker_fraction": breaker,
             "status_reports": {"rate_per_s": round(status_rate, 1), "sent": churn.sent, "late": churn.late,
                                "failed": churn.failed},
@@ -413,6 +469,9 @@ def run(n: int, changes: int, idle_s: float, seed: int, lease_duration_s: int, r
             "latency_samples_ms": [round(v * 1000, 1) for v in lat],
             "after_answer_samples_ms": [round(v * 1000, 1) for v in after],
             "latency_phase_cpu_cores": latency_cpu,
+            "after_delivery": ({"n": len(ours), "p50_ms": round(statistics.median(ours) * 1000, 1),
+                                "p99_ms": round(pct(ours, 99) * 1000, 1), "max_ms": round(max(ours) * 1000, 1)}
+                               if ours else None),
             "after_answer": {"p50_ms": round(statistics.median(after) * 1000, 1),
                              "p99_ms": round(pct(after, 99) * 1000, 1)},
             "latency": {"n": len(lat), "p50_ms": round(statistics.median(lat) * 1000, 1),
@@ -452,6 +511,14 @@ def main() -> None:
     ap.add_argument("--profile", type=Path,
                     help="sample the controller with py-spy while the single faults are timed, into "
                          "PROFILE/controller-N.txt (collapsed stacks; py-spy must be installed)")
+    ap.add_argument("--delivery-probe", action="store_true",
+                    help="a second watcher per timed change, to split the time after the server's answer into the "
+                         "watch delivery and the controller's part (one more watch and GET per change)")
+    ap.add_argument("--write-concurrency", type=int, default=0,
+                    help="the controller's quarantine.writeConcurrency (default: its own default)")
+    ap.add_argument("--controller-nice", type=int, default=0,
+                    help="the controller process's nice value (e.g. -10: its own share of the CPU, as on a node of "
+                         "its own; default 0)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--probe", help=argparse.SUPPRESS)
     ap.add_argument("--probe-kubeconfig", type=Path, help=argparse.SUPPRESS)
@@ -463,6 +530,10 @@ def main() -> None:
     for p in probes:
         if p != "whole" and not (p.isdigit() and int(p) > 0):
             ap.error(f"--list-probe: {p!r} is neither a page size nor 'whole'")
+    if not 0 <= args.write_concurrency <= 32:
+        ap.error(f"--write-concurrency: {args.write_concurrency} is not in 1..32 (0: the controller's default)")
+    if not -20 <= args.controller_nice <= 19:
+        ap.error(f"--controller-nice: {args.controller_nice} is not in -20..19")
     if args.heal_after < 0:
         ap.error(f"--heal-after: {args.heal_after} is negative")
     for name in ("storm", "breaker"):
@@ -480,7 +551,8 @@ def main() -> None:
 
     results = [run(int(n), args.changes, args.idle, args.seed, args.node_lease_duration, not args.bare_nodes, probes,
                    args.heal_after, args.storm, args.breaker, args.heartbeats == "kwok", args.large_control_plane,
-                   status_rate(int(n)), args.profile)
+                   status_rate(int(n)), args.profile, args.delivery_probe, args.write_concurrency,
+                   args.controller_nice)
                for n in args.nodes.split(",")]
     print(f"machine: {machine()}")
     for r in results:
@@ -503,6 +575,11 @@ def main() -> None:
         if sr["rate_per_s"]:
             print(f"{r['nodes']:>5} nodes: {sr['rate_per_s']} status reports/s while the controller ran: {sr['sent']} "
                   f"sent, {sr['late']} more than 1 s late, {sr['failed']} failed")
+        if r["after_delivery"]:
+            d = r["after_delivery"]
+            print(f"{r['nodes']:>5} nodes: from a second watcher's receipt of the change to the controller's taint "
+                  f"(the controller's part): p50 {d['p50_ms']} ms, p99 {d['p99_ms']} ms, max {d['max_ms']} ms "
+                  f"over {d['n']}")
         print(f"{r['nodes']:>5} nodes: CPU (cores) while the single faults were timed: "
               + ", ".join(f"{k} {v}" for k, v in sorted(r["latency_phase_cpu_cores"].items())))
         size, mem = r["node_object"], r["memory"]

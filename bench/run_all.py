@@ -123,7 +123,7 @@ METRICS = [
            lambda d: f"{d['ratio_writes']} x one-write-per-transition"),
     Metric("Fleet (50,000 nodes, 5 % storm): Node writes + Events/s, storm peak 1 s", "fleet_50k", "",
            lambda d: d["aggregate_writes_per_s"]["with_events_storm_peak_1s"], None, "writes/s",
-           lambda d: f"Events alone {d['storm']['events']['peak_1s']} (one per GPU transition)"),
+           lambda d: f"Events alone {d['storm']['events']['peak_1s']} (one per node and burst)"),
     Metric("/metrics scrape over HTTP, 8 GPUs, p99", "metrics", "",
            lambda d: d["scrape"]["metrics_http"]["p99_ms"], None, "ms",
            lambda d: f"{d['scrape']['p50_ratio_metrics_to_healthz']} x /healthz p50 (the HTTP floor)"),
