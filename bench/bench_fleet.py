@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -392,6 +393,16 @@ class StatusChurn:
             k += self.workers
 
 
+HELD = re.compile(r"quarantined \S+: .*\(PATCH sent ([0-9.]+) ms after its watch event\)")
+
+
+def held_ms(log: Path) -> list[float]:
+    """What the controller's own log says of each quarantine so far: from the watch event that made the Node a
+    candidate to its PATCH going out (plugin/controller/reconciler.py), the part of annotation-to-taint that is
+    the controller's alone."""
+    return [float(m.group(1)) for m in HELD.finditer(log.read_text(errors="replace"))]
+
+
 def profiler(pid: int, out: Path) -> subprocess.Popen[bytes]:
     """py-spy sampling the controller (all its threads, idle ones left out) until SIGINT, into ``out`` as collapsed
     stacks: one line per stack with its sample count, to sum by function."""
@@ -429,6 +440,7 @@ def run(n: int, changes: int, idle_s: float, seed: int, lease_duration_s: int, r
             busy0, t_busy = {k: cpu_seconds(v) for k, v in pids.items()}, time.monotonic()
             lat, after, ours = latency(fleet, changes, rng, heal_after_s, client if delivery else None)
             t_busy = time.monotonic() - t_busy
+            held = held_ms(work / "controller.log")
             # Who had the machine while the single faults were timed: the share each process took of the 2 cores is
             # what the latency's growth with the fleet is made of (the API server's watch fan-out and status
             # reports, etcd, our parsing of the reports, the benchmark's own load generator).
@@ -469,6 +481,9 @@ def run(n: int, changes: int, idle_s: float, seed: int, lease_duration_s: int, r
             "latency_samples_ms": [round(v * 1000, 1) for v in lat],
             "after_answer_samples_ms": [round(v * 1000, 1) for v in after],
             "latency_phase_cpu_cores": latency_cpu,
+            "controller_held": ({"n": len(held), "p50_ms": round(statistics.median(held), 1),
+                                 "p99_ms": round(pct(held, 99), 1), "max_ms": round(max(held), 1)}
+                                if held else None),
             "after_delivery": ({"n": len(ours), "p50_ms": round(statistics.median(ours) * 1000, 1),
                                 "p99_ms": round(pct(ours, 99) * 1000, 1), "max_ms": round(max(ours) * 1000, 1)}
                                if ours else None),
@@ -575,6 +590,10 @@ def main() -> None:
         if sr["rate_per_s"]:
             print(f"{r['nodes']:>5} nodes: {sr['rate_per_s']} status reports/s while the controller ran: {sr['sent']} "
                   f"sent, {sr['late']} more than 1 s late, {sr['failed']} failed")
+        if r["controller_held"]:
+            h = r["controller_held"]
+            print(f"{r['nodes']:>5} nodes: inside the controller, from the watch event to the taint PATCH going out "
+                  f"(its log): p50 {h['p50_ms']} ms, p99 {h['p99_ms']} ms, max {h['max_ms']} ms over {h['n']}")
         if r["after_delivery"]:
             d = r["after_delivery"]
             print(f"{r['nodes']:>5} nodes: from a second watcher's receipt of the change to the controller's taint "

@@ -214,6 +214,9 @@ class Reconciler:
         self._written: list[_Written] = []  # outcomes back from the writers, for the worker to act on
         self._handed: set[str] = set()  # the Nodes this step handed to a writer (worker thread only)
         self._halted = False  # a writer found the Lease lost: no further write starts in this step
+        # When the watch delivered the change that made a dirty Node so (``clock``): a quarantine's log line says how
+        # long the controller held it before its PATCH went out. Only dirty Nodes are here: nothing per Node at rest.
+        self._seen: dict[str, float] = {}
 
     # The feed (watcher thread) ----------------------------------------------------------------------------------
 
@@ -252,7 +255,9 @@ class Reconciler:
 
     def upsert(self, node: dict[str, Any]) -> None:
         with self._cond:
-            if self._store(node, force=False):
+            name = self._store(node, force=False)
+            if name:
+                self._seen.setdefault(name, self.clock())
                 self._cond.notify_all()
 
     def delete(self, node: dict[str, Any]) -> None:
@@ -325,6 +330,7 @@ class Reconciler:
     def _drop(self, name: str) -> None:
         self.entries.pop(name, None)
         self._dirty.pop(name, None)
+        self._seen.pop(name, None)
         for s in (self.gpu_nodes, self.quarantined, self.candidates, self.out_of_sight):
             s.discard(name)
 
@@ -428,6 +434,7 @@ class Reconciler:
                     self._dirty[name] = None
             if not (self.synced and self._leading and self.leader.is_leader()):
                 self._dirty.clear()  # a new leader looks at everything anyway
+                self._seen.clear()
                 return self._next_timer(now)
             self._check_reset(now)
             # The Nodes the Lease names as ours and out of sight are read first: they count before anyone is decided.
@@ -452,6 +459,8 @@ class Reconciler:
                     self._refused(name, exc, now)
                 except ApiFailure as exc:
                     self._failed(name, exc, now)
+                with self._cond:
+                    self._seen.pop(name, None)
                 self._flush_lease_events()
         finally:
             # Every write of this step lands (or fails) before the breaker settles and before the next step, which
@@ -637,12 +646,15 @@ class Reconciler:
         event = self._event_body(f, "GPUNodeQuarantined", "Warning",
                                  f"quarantined ({', '.join(what)}): {a.reason}: {a.message}", now)
         said = f"quarantined {f.name}: {a.reason}: {a.message}"
+        with self._cond:
+            seen = self._seen.get(f.name)
         if self._pool is not None:
             with self._cond:
                 api = self._free.pop()  # _decide waited for one
             self._handed.add(f.name)
-            self._pool.submit(self._write_out, api, e, patch, event, said)
+            self._pool.submit(self._write_out, api, e, patch, event, said, seen)
             return
+        said += _lag(seen, self.clock())
         self._write(e, "quarantine", patch)
         log.info("%s", said)
         self._post(EVENT_NAMESPACE, event)
@@ -674,7 +686,7 @@ class Reconciler:
         return len(self.candidates) - sum(1 for n in self._reserved if n in self.candidates)
 
     def _write_out(self, api: ControllerApi, e: Entry, patch: dict[str, Any], event: dict[str, Any],
-                   said: str) -> None:
+                   said: str, seen: float | None) -> None:
         """A writer thread: the quarantine's PATCH and Event on its own connection. Its slot is given back when
         the answer is stored (it is quarantined then) or when the write failed."""
         name = e.facts.name
@@ -682,6 +694,7 @@ class Reconciler:
         try:
             if self._halted:
                 raise NotLeading()
+            said += _lag(seen, self.clock())
             self._write(e, "quarantine", patch, api=api, reserved=True)
             log.info("%s", said)
             self._post(EVENT_NAMESPACE, event, api=api)
@@ -895,6 +908,14 @@ class Reconciler:
                 if q is not None:
                     out[q.reason] = out.get(q.reason, 0) + 1
             return out
+
+
+def _lag(seen: float | None, now: float) -> str:
+    """How long the controller held a quarantine, from the watch event that made the Node a candidate to its PATCH
+    going out: the controller's own part of annotation-to-taint, apart from the API server's (issue 27)."""
+    if seen is None:
+        return ""  # decided on a read by name, a timer or a resync, not on a watch event
+    return f" (PATCH sent {(now - seen) * 1000:.1f} ms after its watch event)"
 
 
 def _older(rv: str, than: str) -> bool:

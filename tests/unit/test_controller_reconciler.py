@@ -152,6 +152,28 @@ def test_an_idle_fleet_costs_no_request() -> None:
     assert rig.api.calls == []
 
 
+def test_a_quarantine_says_how_long_the_controller_held_it_after_its_watch_event(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The controller's own part of annotation-to-taint, apart from the API server's: from the watch event that made
+    the Node a candidate to its PATCH. The earliest undecided change counts; a Node decided on a LIST says nothing;
+    nothing is kept per Node once it is decided."""
+    rig = Rig([gpu_node("listed", {0: "Unhealthy"}), gpu_node("a"), gpu_node("b")], max_quarantined_fraction=1.0)
+    caplog.set_level("INFO", logger="plugin.controller.reconciler")
+    rig.step()
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("quarantined listed:")]
+    assert "after its watch event" not in line  # decided on the LIST, not on a watch event
+    rig.agent("a", {1: "Unhealthy"}, since=T0)
+    rig.clock.now += 0.004
+    rig.watch("a")  # a later event of the same undecided change: the first one's time counts
+    rig.clock.now += 0.0015
+    rig.step()
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("quarantined a:")]
+    assert line.endswith("(PATCH sent 5.5 ms after its watch event)")
+    rig.agent("b", {0: "Healthy"}, since=T0)  # a change that decides nothing
+    rig.step()
+    assert rig.rec._seen == {}
+
+
 def test_cordon_and_label_when_configured() -> None:
     rig = Rig([gpu_node("bad", {0: "Unhealthy"})], cordon=True, label=LABEL)
     rig.step()

@@ -213,3 +213,16 @@ def test_a_candidate_at_the_limit_waits_for_the_writes_in_flight_before_it_is_re
     assert storm.ours() == ["n001", "n002", "n003", "n004"]
     assert storm.breaker().state == CLOSED and storm.events("GPUQuarantineBlocked") == []
     assert storm.rec.counts()["quarantined"] == 4
+
+
+def test_a_writer_says_how_long_the_controller_held_the_quarantine_after_its_watch_event(
+        caplog: pytest.LogCaptureFixture) -> None:
+    storm = Storm(4, bad=0, good=3, cap=3)
+    caplog.set_level("INFO", logger="plugin.controller.reconciler")
+    storm.api.edit("n001", {"metadata": {"annotations": gpu_node("n001", {0: "Unhealthy"})["metadata"]["annotations"]}})
+    storm.rec.upsert(storm.api.node("n001"))
+    storm.clock.now += 0.002
+    storm.rec.step(storm.clock.now)
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("quarantined n001:")]
+    assert line.endswith("(PATCH sent 2.0 ms after its watch event)")
+    assert storm.ours() == ["n001"] and storm.rec._seen == {}
