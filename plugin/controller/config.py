@@ -96,7 +96,10 @@ def count(v: Any) -> int:
 
 def concurrency(v: Any) -> int:
     """A number of writers: a whole number from 1 to 32."""
-    n = count(v)
+    try:
+        n = count(v)
+    except ValueError:
+        raise ValueError(f"expected a whole number from 1 to 32, got {v!r}") from None
     if not 1 <= n <= 32:
         raise ValueError(f"must be from 1 to 32, got {v!r}")
     return n

@@ -654,11 +654,16 @@ class Reconciler:
             self._handed.add(f.name)
             self._pool.submit(self._write_out, api, e, patch, event, said, seen)
             return
-        said += _lag(seen, self.clock())
-        self._write(e, "quarantine", patch)
-        log.info("%s", said)
-        self._post(EVENT_NAMESPACE, event)
+        self._send_quarantine(e, patch, event, said, seen, self.api)
         self._quarantined(e, now)
+
+    def _send_quarantine(self, e: Entry, patch: dict[str, Any], event: dict[str, Any], said: str,
+                         seen: float | None, api: ControllerApi) -> None:
+        """A quarantine's requests, on the worker's connection or a writer's: the PATCH, then its Event."""
+        said += _lag(seen, self.clock())
+        self._write(e, "quarantine", patch, api=api)
+        log.info("%s", said)
+        self._post(EVENT_NAMESPACE, event, api=api)
 
     def _quarantined(self, e: Entry, now: float) -> None:
         """What follows a quarantine's write: the timers of its next stages."""
@@ -694,10 +699,7 @@ class Reconciler:
         try:
             if self._halted:
                 raise NotLeading()
-            said += _lag(seen, self.clock())
-            self._write(e, "quarantine", patch, api=api, reserved=True)
-            log.info("%s", said)
-            self._post(EVENT_NAMESPACE, event, api=api)
+            self._send_quarantine(e, patch, event, said, seen, api)
         except NotLeading as exc:
             outcome = exc
             with self._cond:
@@ -763,8 +765,7 @@ class Reconciler:
         if not self.leader.is_leader():
             raise NotLeading()
 
-    def _write(self, e: Entry, action: str, patch: dict[str, Any], api: ControllerApi | None = None,
-               reserved: bool = False) -> None:
+    def _write(self, e: Entry, action: str, patch: dict[str, Any], api: ControllerApi | None = None) -> None:
         self._must_lead()
         try:
             node = (api or self.api).patch_node(e.facts.name, patch)
@@ -777,8 +778,8 @@ class Reconciler:
         with self._cond:
             if self._store_answer(node):
                 self._dirty.pop(e.facts.name, None)
-            if reserved:
-                self._reserved.discard(e.facts.name)  # in ``quarantined`` now, in the same breath
+            # A quarantine in flight is in ``quarantined`` now: its reserved slot goes in the same breath.
+            self._reserved.discard(e.facts.name)
 
     def _drain(self, e: Entry, now: float) -> None:
         f = e.facts
