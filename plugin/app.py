@@ -71,7 +71,8 @@ def make_backend(cfg: Config) -> Backend:
         return SimulatedBackend(cfg.simulated_node)
     from plugin.devices.nvml import NvmlBackend
     try:
-        return NvmlBackend()
+        # The state dir keeps what NVML showed before a restart: links seen up, calls that crashed the process.
+        return NvmlBackend(state_dir=cfg.state_dir)
     except BackendError as exc:
         if cfg.fail_on_init_error:
             raise
@@ -161,7 +162,8 @@ class App:
         self.state = NodeState()
         self.backend = backend if backend is not None else make_backend(cfg)
         self.store = StateStore(cfg.state_dir)
-        self.monitor = Monitor(self.backend, self.state, cfg.health, cfg.poll_interval, self.stop, self.store)
+        self.monitor = Monitor(self.backend, self.state, cfg.health, cfg.poll_interval, self.stop, self.store,
+                               stall_s=cfg.stall_threshold)
         alloc = AllocationConfig(dev_root=cfg.dev_root, cdi=cfg.cdi,
                                  allow_unhealthy=cfg.allow_unhealthy_allocation)
         # One server per resource; MIG profiles (strategy mixed) are read once at discovery, like the topology.
@@ -200,6 +202,7 @@ class App:
         to that instance until ``take_over``."""
         self.cfg.state_dir.mkdir(parents=True, exist_ok=True)
         self.monitor.start(persist=active)
+        _log_what_is_watched(self.backend)
         if self.device_api is not None:
             self.device_api.start_consumer()  # a successor serving the kubelet needs the same reasons
         if active:
@@ -283,6 +286,20 @@ def make_device_api(cfg: Config, state: NodeState, monitor: Monitor) -> DeviceAp
     settings = DeviceApiSettings(socket=cfg.device_api_socket, label=cfg.name_of("device_api_socket"),
                                  provide=cfg.device_api_provide, consume=cfg.device_api_consume)
     return DeviceApi(state, monitor, settings)
+
+
+def _log_what_is_watched(backend: Backend) -> None:
+    """After the first poll, one line per GPU: what NVML reported and the checks that are off or unavailable (the
+    day-one answer to "what will this plugin not see here"; `gpu-health-plugin inspect` prints the same)."""
+    nvml = _nvml(backend)
+    if nvml is None:
+        return
+    for g in nvml.describe():
+        off = {s: how for s, how in g["checks"].items() if how != "on"}
+        log.info("GPU %d %s: %s (%s, driver %s), NVLink %d/%d active, ECC %s, MIG %s, fabric %s; checks off: %s",
+                 g["index"], g["uuid"], g["name"], g["architecture"], g["driver"], g["links_active"],
+                 g["link_slots"], g["ecc_mode"], g["mig_mode"], g["fabric_state"],
+                 "; ".join(f"{s} ({how})" for s, how in off.items()) or "none")
 
 
 def make_metrics_server(cfg: Config, state: NodeState, monitor: Monitor, backend: Backend,

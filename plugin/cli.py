@@ -1,4 +1,4 @@
-"""Command line: ``run`` (the default), ``demo``, ``status``, ``watch`` and ``simulated-node``."""
+"""Command line: ``run`` (the default), ``demo``, ``status``, ``watch``, ``inspect`` and ``simulated-node``."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from plugin import config as config_mod
 from plugin.options.flags import add_arguments
 from plugin.options.sources import config_path
 
-SUBCOMMANDS = ("run", "demo", "status", "watch", "simulated-node")
+SUBCOMMANDS = ("run", "demo", "status", "watch", "inspect", "simulated-node")
 EXIT_CONFIG = 2
 
 
@@ -78,6 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="resume after this sequence number (default 0: from now)")
     watch.add_argument("--count", type=_non_negative, default=0, metavar="N",
                        help="exit after this many transitions (default 0: never)")
+    inspect = sub.add_parser("inspect", help="print what NVML reports for each GPU and which health checks are on, "
+                                              "off or unavailable, and why")
+    state = config_mod.option("state_dir")
+    inspect.add_argument("--state-dir", type=Path, default=None, metavar="DIR",
+                         help=f"the plugin's state dir, for the NVLink links seen before and the NVML calls that "
+                              f"crashed it (env {state.env}; default {state.default}; read, never written)")
+    inspect.add_argument("--output", "-o", choices=("table", "json"), default="table",
+                         help="output format: %(choices)s (default %(default)s)")
     node = sub.add_parser("simulated-node", help="write the built-in simulated 8-GPU node (the demo's) as a node "
                                                  "file for --backend simulated --simulated-node")
     node.add_argument("--write", type=Path, required=True, metavar="FILE", help="where to write it")
@@ -110,7 +118,50 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 130
     if args.command == "simulated-node":
         return _write_simulated_node(args.write, args.force)
+    if args.command == "inspect":
+        return _inspect(args)
     return 1
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from plugin.devices.backend import BackendError
+    from plugin.devices.nvml import NvmlBackend
+
+    state = config_mod.option("state_dir")
+    state_dir = args.state_dir or Path(os.environ.get(state.env) or str(state.default))
+    try:
+        backend = NvmlBackend(state_dir=state_dir if state_dir.is_dir() else None, read_only=True)
+    except BackendError as exc:
+        print(f"gpu-health-plugin inspect: {exc}", file=sys.stderr)
+        return 1
+    try:
+        for gpu in backend.discover().gpus:
+            backend.read(gpu)  # one read of every signal: what is on, off or unavailable shows only then
+        report = backend.describe()
+    finally:
+        backend.close()
+    if args.output == "json":
+        print(json.dumps({"driver": backend.driver, "gpus": report}, indent=2))
+        return 0
+    print(format_inspect(backend.driver, report))
+    return 0
+
+
+def format_inspect(driver: str, report: Sequence[Mapping[str, Any]]) -> str:
+    if not report:
+        return f"driver {driver or '?'}: NVML reports no GPU"
+    lines = []
+    for g in report:
+        lines.append(f"GPU {g['index']}  {g['uuid']}  {g['name']}  ({g['architecture']}, driver {g['driver']})")
+        ecc = {True: "on", False: "off", None: "n/a"}[g["ecc_mode"]]
+        mig = {True: "on", False: "off", None: "n/a"}[g["mig_mode"]]
+        links = f"{g['links_active']} active of {g['link_slots']} slots" if g["link_slots"] else "none"
+        lines.append(f"  NVLink {links}   ECC {ecc}   MIG {mig}   fabric {g['fabric_state'] or 'n/a'}   "
+                     f"events 0x{g['events']:x}")
+        width = max(len(k) for k in g["checks"])
+        for signal, how in g["checks"].items():
+            lines.append(f"  {signal:<{width}}  {how}")
+    return "\n".join(lines)
 
 
 def _write_simulated_node(path: Path, force: bool) -> int:

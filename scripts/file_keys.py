@@ -62,6 +62,10 @@ HEALTH_KEYS: tuple[Key, ...] = (
         "restarts.", lambda h: h.rate_hold_s),
     Key("health.nvmlErrorPolls", "integer >= 1", "Consecutive failed NVML polls of one GPU before it is Unknown.",
         lambda h: h.nvml_error_polls),
+    Key("health.nvlinkExpectedLinks", "map of GPU model to integer", "Active NVLink links each GPU model (its "
+        "NVML name, as `gpu-health-plugin inspect` prints it) must have, e.g. `{\"NVIDIA H100 80GB HBM3\": 18}`; "
+        "fewer is `nvlink-down`, which catches a link that never trained. Without it a link slot never seen "
+        "active is topology, not a fault.", lambda h: h.nvlink_expected_links),
     Key("health.latchHoldSeconds.Unhealthy", "seconds or null", "How long an event-latched Unhealthy condition "
         "holds with no new event; null: until the GPU is seen reset.", _hold(State.UNHEALTHY)),
     Key("health.latchHoldSeconds.Degraded", "seconds or null", "The same for Degraded.", _hold(State.DEGRADED)),

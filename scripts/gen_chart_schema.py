@@ -174,6 +174,7 @@ def _key_types() -> dict[str, Schema]:
     number_or_null = {"type": ["number", "null"], "minimum": 0}
     return {
         "list of XIDs": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+        "map of GPU model to integer": {"type": "object", "additionalProperties": {"type": "integer", "minimum": 0}},
         "state": {"type": "string", "enum": states},
         "integer": {"type": "integer"},
         "integer >= 1": {"type": "integer", "minimum": 1},

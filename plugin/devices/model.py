@@ -8,7 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-RECOVERY_ACTIONS = ("none", "gpu_reset", "node_reboot", "drain_p2p", "drain_and_reset")
+# nvml.h's nvmlGpuRecoveryAction_t 0-7 in order, then "unknown" for a value a later driver may add.
+RECOVERY_ACTIONS = ("none", "gpu_reset", "node_reboot", "drain_p2p", "drain_and_reset", "recover_imex_domain",
+                    "bus_reset", "system_reboot", "unknown")
 CLOCK_EVENT_REASONS = ("hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown")
 FABRIC_HEALTH = ("healthy", "unhealthy", "limited_capacity")
 
@@ -48,6 +50,7 @@ class Reading:
     """One poll of one GPU. ``None`` means the signal does not exist on this GPU (NVML NotSupported)."""
 
     time: float
+    model: str = ""  # the GPU's product name, for per-model expectations (health.nvlinkExpectedLinks)
     ecc_uncorrected_volatile: int | None = None
     ecc_corrected_volatile: int | None = None
     ecc_uncorrected_aggregate: int | None = None
@@ -66,10 +69,13 @@ class Reading:
     pcie_max_gen: int | None = None
     pcie_max_width: int | None = None
     pcie_replay_count: int | None = None
+    # Links seen active (now or before a restart) that are not active now: a link never active is topology.
     nvlink_down: tuple[int, ...] | None = None
+    nvlink_active_count: int | None = None
     nvlink_error_count: int | None = None  # replay + recovery counters summed over links
     nvlink_crc_count: int | None = None
     recovery_action: str | None = None
+    recovery_action_code: int | None = None  # the number NVML gave, for an "unknown" action's message
     fabric_health: str | None = None
     lost: bool = False
     reset_required: bool = False

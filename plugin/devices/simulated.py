@@ -375,8 +375,11 @@ class SimulatedBackend:
             return Reading(time=now, errors=(("all", "simulated NVML error (NVML_ERROR_UNKNOWN)"),))
         link = sig.get("pcie_link", {})
         reasons = sig.get("clock_event_reasons")
+        down = tuple(sorted(set(sig.get("nvlink_down", ())) | {k for k, _ in s.missing_peers}))
+        links = len(s.gpu.nvlink_peers) + len(s.missing_peers)
         return Reading(
             time=now,
+            model=s.gpu.name,
             ecc_uncorrected_volatile=sig.get("ecc_uncorrected_volatile", 0),
             ecc_corrected_volatile=sig.get("ecc_corrected_volatile", 0),
             row_remap_pending=sig.get("row_remap_pending", False),
@@ -392,7 +395,8 @@ class SimulatedBackend:
             pcie_max_gen=s.pcie_max_gen,
             pcie_max_width=s.pcie_max_width,
             pcie_replay_count=sig.get("pcie_replay_count", 0),
-            nvlink_down=tuple(sorted(set(sig.get("nvlink_down", ())) | {link for link, _ in s.missing_peers})),
+            nvlink_down=down,
+            nvlink_active_count=links - len([k for k in down if k < links]),
             nvlink_error_count=sig.get("nvlink_error_count", 0),
             recovery_action=sig.get("recovery_action", "none"),
             fabric_health=sig.get("fabric_health"),

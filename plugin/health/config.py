@@ -42,6 +42,9 @@ class HealthConfig:
     clear_after_polls: int = 3
     rate_hold_s: float = 600.0
     nvml_error_polls: int = 3
+    # Active NVLink links a GPU model must have (by its NVML name); fewer is nvlink-down, which catches a link that
+    # never trained. Empty: a link slot never seen active is topology, not a fault.
+    nvlink_expected_links: dict[str, int] = field(default_factory=dict)
     # Hold time of an event-latched condition, by the state it asks for; None: until the GPU is seen reset.
     latch_hold_s: dict[State, float | None] = field(default_factory=lambda: {
         State.UNHEALTHY: None, State.DEGRADED: 24 * 3600.0, State.UNKNOWN: None})
@@ -96,7 +99,7 @@ def parse_health(doc: Any) -> HealthConfig:
     if not isinstance(doc, dict):
         raise FieldError("health", f"expected a mapping, got {doc!r}")
     top = {"xid", "unknownXidState", "appXidRepeat", "thresholds", "clearAfterPolls", "nvmlErrorPolls",
-           "rateHoldSeconds", "latchHoldSeconds", "flap", "overrides", "kubeletHealth"}
+           "rateHoldSeconds", "latchHoldSeconds", "flap", "overrides", "kubeletHealth", "nvlinkExpectedLinks"}
     unknown = set(doc) - top
     if unknown:
         raise FieldError(f"health.{first_key(unknown)}", f"unknown key (known: {', '.join(sorted(top))})")
@@ -156,6 +159,14 @@ def parse_health(doc: Any) -> HealthConfig:
         changes["flap_window_s"] = float(_num(flap["windowSeconds"], "health.flap.windowSeconds"))
     if "backoffSeconds" in flap:
         changes["flap_backoff_s"] = float(_num(flap["backoffSeconds"], "health.flap.backoffSeconds"))
+    links = doc.get("nvlinkExpectedLinks", {}) or {}
+    if not isinstance(links, dict):
+        raise FieldError("health.nvlinkExpectedLinks",
+                         f"expected a mapping of GPU model name to a link count, got {links!r}")
+    for model, count in links.items():
+        _num(count, f"health.nvlinkExpectedLinks.{model}", True, minimum=0)
+    if links:
+        changes["nvlink_expected_links"] = {str(k): int(v) for k, v in links.items()}
     overrides = doc.get("overrides", {}) or {}
     if not isinstance(overrides, dict):
         raise FieldError("health.overrides", f"expected a mapping of reason code to state, got {overrides!r}")

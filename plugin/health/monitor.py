@@ -17,8 +17,8 @@ from plugin.devices.backend import Backend
 from plugin.devices.model import EventKind, Gpu, GpuEvent, Reading
 from plugin.health.config import HealthConfig
 from plugin.health.node_state import DeviceStatus, NodeState, Transition
-from plugin.health.policy import Disposition
-from plugin.health.reasons import Reason, State
+from plugin.health.policy import Disposition, condition
+from plugin.health.reasons import Reason, Source, State
 from plugin.health.store import Persister, StateStore
 from plugin.health.tracker import DeviceTracker
 
@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 class Monitor:
     def __init__(self, backend: Backend, state: NodeState, cfg: HealthConfig, poll_interval_s: float,
                  stop: threading.Event, store: StateStore | None = None,
-                 clock: Callable[[], float] = time.time, event_wait_s: float = 0.25) -> None:
+                 clock: Callable[[], float] = time.time, event_wait_s: float = 0.25,
+                 stall_s: float | None = None) -> None:
         self.backend = backend
         self.state = state
         self.cfg = cfg
@@ -47,6 +48,15 @@ class Monitor:
         self._external_at: dict[str, float] = {}
         self._poll_now = threading.Event()
         self._threads: list[threading.Thread] = []
+        # A read that does not return (a hung driver call) holds the poller: after ``stall_s`` the GPUs it keeps
+        # from being read turn Unknown, so the kubelet stops believing them fine. None: no stall watch.
+        self.stall_s = stall_s
+        self._cycle_lock = threading.Condition()
+        self._cycle_started: float | None = None  # monotonic start of the poll cycle in progress
+        self._read_this_cycle: set[str] = set()
+        self._reading: str | None = None  # the GPU whose read is in progress
+        self._stalled: dict[str, Reason] = {}
+        self._unavailable: dict[str, Reason] = {}  # checks the backend skips since they crashed the library
         self.store = store
         self.persister: Persister | None = None
         # Liveness: when each loop last went round; probes compare these with the clock.
@@ -75,7 +85,10 @@ class Monitor:
         self.backend.watch(self.request_poll)
         if persist:
             self.start_persisting()
-        for target, name in ((self._event_loop, "nvml-events"), (self._poll_loop, "poller")):
+        loops: list[tuple[Callable[[], None], str]] = [(self._event_loop, "nvml-events"), (self._poll_loop, "poller")]
+        if self.stall_s is not None:
+            loops.append((self._stall_watch, "stall-watch"))
+        for target, name in loops:
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             self._threads.append(t)
@@ -89,6 +102,8 @@ class Monitor:
     def join(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         self._poll_now.set()  # the poller may be mid-interval; wake it to see the stop event
+        with self._cycle_lock:
+            self._cycle_lock.notify_all()
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
         # A successor that never took the state dir over leaves the file to its owner.
@@ -175,11 +190,87 @@ class Monitor:
             self.persister.mark_dirty()
         return transitions
 
+    def _stall_watch(self) -> None:
+        """Sleeps while no cycle runs; wakes when one has run ``stall_s``, and then once a second while it hangs."""
+        assert self.stall_s is not None
+        while not self.stop.is_set():
+            with self._cycle_lock:
+                started = self._cycle_started
+                if started is None:
+                    self._cycle_lock.wait()
+                    continue
+                remaining = started + self.stall_s - time.monotonic()
+                if remaining > 0:
+                    self._cycle_lock.wait(remaining)
+                    continue
+                blocked = self._reading
+                pending = [u for u in self._gpus if u not in self._read_this_cycle]
+                age = time.monotonic() - started
+            self._mark_stalled(blocked, pending, age)
+            self.stop.wait(1.0)
+
+    def _mark_stalled(self, blocked: str | None, pending: list[str], age: float) -> None:
+        what = getattr(self.backend, "current_call", None)
+        call = f" in {what}" if isinstance(what, str) and what else ""
+        with self._lock:
+            changed = False
+            for uuid in pending:
+                if uuid in self._stalled:
+                    continue
+                if uuid == blocked:
+                    msg = f"an NVML read of this GPU{call} has not returned for {age:.0f} s"
+                else:
+                    msg = f"not read for {age:.0f} s: the poller waits on a hung NVML call (GPU {blocked}{call})"
+                self._stalled[uuid] = Reason.of(condition("nvml-stalled", msg, Source.POLL), self.clock())
+                log.error("device %s: %s", uuid, msg)
+                changed = True
+            if changed:
+                self._publish_locked(self.clock())
+
+    def _skipped_checks(self) -> dict[str, Reason]:
+        """One reason per GPU whose checks the backend skips because they crashed the library before."""
+        unavailable = getattr(self.backend, "unavailable", None)
+        if not callable(unavailable):
+            return {}
+        out: dict[str, Reason] = {}
+        for uuid, checks in unavailable().items():
+            previous = self._unavailable.get(uuid)
+            msg = "not watched: " + "; ".join(f"{c} ({why.removeprefix('unavailable: ')})"
+                                              for c, why in sorted(checks.items()))
+            if previous is not None and previous.message == msg:
+                out[uuid] = previous  # keep first_seen
+            else:
+                out[uuid] = Reason.of(condition("nvml-check-unavailable", msg, Source.POLL), self.clock())
+        return out
+
+    def _begin_read(self, uuid: str) -> None:
+        with self._cycle_lock:
+            self._reading = uuid
+
     def poll_once(self) -> list[Transition]:
         started = time.perf_counter()
-        discovery = self.backend.discover()
-        readings: list[tuple[Gpu, Reading]] = [(g, self.backend.read(g)) for g in discovery.gpus]
+        with self._cycle_lock:
+            self._cycle_started = time.monotonic()
+            self._read_this_cycle = set()
+            self._cycle_lock.notify_all()
+        try:
+            discovery = self.backend.discover()
+            readings: list[tuple[Gpu, Reading]] = []
+            for g in discovery.gpus:
+                self._begin_read(g.uuid)
+                readings.append((g, self.backend.read(g)))
+                with self._cycle_lock:
+                    self._read_this_cycle.add(g.uuid)
+        finally:
+            with self._cycle_lock:
+                self._cycle_started = None
+                self._reading = None
+        skipped = self._skipped_checks()
         with self._lock:
+            self._unavailable = skipped
+            for g, _ in readings:
+                if self._stalled.pop(g.uuid, None) is not None:
+                    log.info("device %s: its NVML read returned again", g.uuid)
             current = {g.uuid for g in discovery.gpus}
             dirty = False
             for uuid in list(self._trackers):
@@ -270,6 +361,11 @@ class Monitor:
             state, reasons = tracker.update(now)
             since = tracker.since
             external = self._external.get(uuid.lower(), ())
+            # The monitor's own findings (a hung read, checks the backend skips) ride along like another provider's.
+            found = tuple(r for r in (self._stalled.get(uuid), self._unavailable.get(uuid)) if r is not None)
+            if found:
+                external = (*found, *external)
+                since = max(since, *(r.first_seen for r in found))
             if external:
                 state = State.worst(state, *(r.severity for r in external))
                 reasons = reasons + external

@@ -113,18 +113,30 @@ def evaluate_reading(reading: Reading, previous: Reading | None, cfg: HealthConf
         per_lane = PCIE_REPLAY_PER_LANE_PER_MIN.get(r.pcie_gen or 5, 1.92)
         if grown > 0 and grown / minutes > per_lane * lanes:
             add("pcie-replay-rate", f"PCIe replays at {grown / minutes:.1f}/min (limit {per_lane * lanes:.1f}/min)")
-    if r.nvlink_down:
-        add("nvlink-down", "NVLink down: link " + ", ".join(map(str, r.nvlink_down)))
+    expected = cfg.nvlink_expected_links.get(r.model) if r.model else None
+    untrained = expected is not None and r.nvlink_active_count is not None and r.nvlink_active_count < expected
+    if r.nvlink_down or untrained:
+        parts = []
+        if r.nvlink_down:
+            parts.append("link " + ", ".join(map(str, r.nvlink_down)))
+        if untrained:
+            parts.append(f"{r.nvlink_active_count} of {expected} links active (health.nvlinkExpectedLinks)")
+        add("nvlink-down", "NVLink down: " + "; ".join(parts))
     if (previous is not None and r.nvlink_error_count is not None and previous.nvlink_error_count is not None
             and r.nvlink_error_count > previous.nvlink_error_count):
         add("nvlink-errors",
             f"NVLink replay/recovery errors grew by {r.nvlink_error_count - previous.nvlink_error_count}")
-    if r.recovery_action in ("gpu_reset", "drain_and_reset"):
+    if r.recovery_action in ("gpu_reset", "drain_and_reset", "bus_reset"):
         add("recovery-action-reset", f"driver recovery action {r.recovery_action}")
-    elif r.recovery_action == "node_reboot":
-        add("recovery-action-reboot", "driver recovery action node_reboot")
+    elif r.recovery_action in ("node_reboot", "system_reboot"):
+        add("recovery-action-reboot", f"driver recovery action {r.recovery_action}")
     elif r.recovery_action == "drain_p2p":
         add("recovery-action-drain-p2p", "driver recovery action drain_p2p")
+    elif r.recovery_action == "recover_imex_domain":
+        add("recovery-action-imex", "driver recovery action recover_imex_domain")
+    elif r.recovery_action == "unknown":
+        code = f" {r.recovery_action_code}" if r.recovery_action_code is not None else ""
+        add("recovery-action-unknown", f"driver recovery action{code}, unknown to this release")
     if r.fabric_health == "unhealthy":
         add("fabric-unhealthy", "NVSwitch fabric unhealthy")
     elif r.fabric_health == "limited_capacity":

@@ -173,16 +173,22 @@ REASONS: tuple[ReasonSpec, ...] = (
     ReasonSpec("pcie-replay-rate", State.DEGRADED, Action.CONTACT_SUPPORT, Source.POLL,
                "PCIe replay counter grows faster than the per-lane rate for the link generation; held for "
                "`rateHoldSeconds` after the growth stops."),
-    ReasonSpec("nvlink-down", State.UNHEALTHY, Action.RESET_GPU, Source.POLL, "One or more NVLink links are down."),
+    ReasonSpec("nvlink-down", State.UNHEALTHY, Action.RESET_GPU, Source.POLL,
+               "An NVLink link seen active is down (remembered across restarts), or fewer links are active than "
+               "`nvlinkExpectedLinks` gives for the GPU model. A link slot never active is topology, not a fault."),
     ReasonSpec("nvlink-errors", State.DEGRADED, Action.CONTACT_SUPPORT, Source.POLL,
                "NVLink replay/recovery error counters grew since the last poll; held for `rateHoldSeconds` after "
                "they stop."),
     ReasonSpec("recovery-action-reset", State.UNHEALTHY, Action.RESET_GPU, Source.POLL,
-               "The driver asks for a GPU reset (GPU_RESET or DRAIN_AND_RESET)."),
+               "The driver asks for a GPU reset (GPU_RESET, DRAIN_AND_RESET or BUS_RESET)."),
     ReasonSpec("recovery-action-reboot", State.UNHEALTHY, Action.REBOOT_NODE, Source.POLL,
-               "The driver asks for a node reboot."),
+               "The driver asks for a node reboot (NODE_REBOOT or SYSTEM_REBOOT)."),
     ReasonSpec("recovery-action-drain-p2p", State.DEGRADED, Action.DRAIN, Source.POLL,
                "The driver asks to drain peer-to-peer traffic."),
+    ReasonSpec("recovery-action-imex", State.UNHEALTHY, Action.DRAIN, Source.POLL,
+               "The driver asks to drain the GPU and recover its IMEX domain (RECOVER_IMEX_DOMAIN)."),
+    ReasonSpec("recovery-action-unknown", State.UNKNOWN, Action.CONTACT_SUPPORT, Source.POLL,
+               "The driver asks for a recovery action this release does not know: never read as none."),
     ReasonSpec("fabric-unhealthy", State.UNHEALTHY, Action.CONTACT_SUPPORT, Source.POLL,
                "NVSwitch fabric reports unhealthy."),
     ReasonSpec("fabric-limited", State.DEGRADED, Action.CONTACT_SUPPORT, Source.POLL,
@@ -195,6 +201,13 @@ REASONS: tuple[ReasonSpec, ...] = (
                "NVML reports a GPU reset is required."),
     ReasonSpec("nvml-error", State.UNKNOWN, Action.CONTACT_SUPPORT, Source.POLL,
                "NVML calls on this GPU failed for `nvmlErrorPolls` consecutive polls."),
+    ReasonSpec("nvml-check-unavailable", State.DEGRADED, Action.CONTACT_SUPPORT, Source.POLL,
+               "A health check is skipped on this GPU: its NVML call crashed the plugin before on this GPU model and "
+               "driver (`gpu-health-plugin inspect` names the call). The GPU is usable, but that signal is not "
+               "watched until the driver changes."),
+    ReasonSpec("nvml-stalled", State.UNKNOWN, Action.CONTACT_SUPPORT, Source.POLL,
+               "An NVML call has not returned for `stallThreshold` seconds and holds this GPU's reads (a hung "
+               "driver); clears when the call returns and the GPU is read again."),
     ReasonSpec("flapping", State.DEGRADED, Action.CONTACT_SUPPORT, Source.POLL,
                "The device changed state more than `flapMax` times in `flapWindowSeconds`; it holds its worst "
                "recent state for `flapBackoffSeconds`."),

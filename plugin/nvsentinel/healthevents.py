@@ -56,6 +56,8 @@ CHECKS: Mapping[str, str] = {
     "nvlink-down": NVLINK, "nvlink-errors": NVLINK,
     "fabric-unhealthy": FABRIC, "fabric-limited": FABRIC,
     "recovery-action-reset": DRIVER, "recovery-action-reboot": DRIVER, "recovery-action-drain-p2p": DRIVER,
+    "recovery-action-imex": DRIVER, "recovery-action-unknown": DRIVER, "nvml-stalled": NVML,
+    "nvml-check-unavailable": NVML,
     "gpu-lost": DRIVER, "gpu-unavailable": DRIVER, "reset-required": DRIVER,
     "nvml-error": NVML,
     "flapping": FLAPPING,

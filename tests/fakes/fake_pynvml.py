@@ -4,6 +4,7 @@ code runs unchanged against it."""
 
 from __future__ import annotations
 
+import ctypes
 import queue
 import threading
 from collections import deque
@@ -72,9 +73,8 @@ class FakeFieldValue:
         self.value = SimpleNamespace(uiVal=value)
 
 
-class FakeFabricInfo:
-    def __init__(self) -> None:
-        self.healthSummary = 0
+class FakeFabricInfo(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint), ("state", ctypes.c_uint), ("healthSummary", ctypes.c_uint8)]
 
 
 class FakeNvml:
@@ -292,15 +292,29 @@ class FakeNvml:
         assert g is not None
         return g.replay
 
-    def nvmlDeviceGetFieldValues(self, h: Any, fields: list[int]) -> list[FakeFieldValue]:
+    def nvmlDeviceGetFieldValues(self, h: Any, fields: list[Any]) -> list[FakeFieldValue]:
+        """The fields the backend asks for, each answered on its own as NVML does; any other: NOT_SUPPORTED."""
         g = self._check("nvmlDeviceGetFieldValues", h)
         assert g is not None
-        assert fields == [NVML_FI_DEV_GET_GPU_RECOVERY_ACTION]
-        return [FakeFieldValue(0, g.recovery)]
+        out = []
+        for f in fields:
+            fid, scope = f if isinstance(f, tuple) else (f, 0)
+            if fid == NVML_FI_DEV_GET_GPU_RECOVERY_ACTION:
+                out.append(FakeFieldValue(0, g.recovery))
+            elif fid == 165:  # NVLink state of link ``scope``
+                link = g.nvlinks.get(scope)
+                out.append(FakeFieldValue(0, link[0]) if link else FakeFieldValue(NVML_ERROR_NOT_SUPPORTED, 0))
+            elif fid in (52, 59, 38, 45):  # replay, recovery, CRC flit, CRC data totals
+                counter = {52: 0, 59: 1, 38: 2, 45: 3}[fid]
+                out.append(FakeFieldValue(0, sum(v for (_, c), v in g.nvlink_errors.items() if c == counter)))
+            else:
+                out.append(FakeFieldValue(NVML_ERROR_NOT_SUPPORTED, 0))
+        return out
 
-    def nvmlDeviceGetGpuFabricInfoV(self, h: Any, info: FakeFabricInfo) -> int:
+    def nvmlDeviceGetGpuFabricInfoV(self, h: Any, ref: Any) -> int:
         g = self._check("nvmlDeviceGetGpuFabricInfoV", h)
         assert g is not None
+        info = ref._obj  # nvml.h takes a pointer: the backend must pass byref(info)
         if g.fabric is None:
             raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
         info.healthSummary = g.fabric

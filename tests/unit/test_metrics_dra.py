@@ -94,7 +94,7 @@ def test_the_slice_writers_requests_failures_by_kind_and_last_error_are_exported
         "gpu_health_devices": "gauge", "gpu_health_device_state": "gauge", "gpu_health_device_reason": "gauge",
         "gpu_health_device_kubelet_healthy": "gauge", "gpu_health_backend_error": "gauge",
         "gpu_health_transitions": "counter", "gpu_health_transitions_missed": "counter",
-        "gpu_health_nvml_call_errors": "counter",
+        "gpu_health_nvml_call_errors": "counter", "gpu_health_nvml_check_unavailable": "gauge",
         "gpu_health_dra_slice_writes": "counter", "gpu_health_dra_slice_reads": "counter",
         "gpu_health_dra_slice_conflicts": "counter", "gpu_health_dra_slice_failures": "counter",
         "gpu_health_dra_slice_ok": "gauge", "gpu_health_dra_slice_last_error_timestamp_seconds": "gauge",

@@ -121,8 +121,7 @@ def test_lost_gpu_and_reset_required(nv: FakeNvml) -> None:
 POLL_CALLS = ["nvmlDeviceGetTotalEccErrors", "nvmlDeviceGetRemappedRows", "nvmlDeviceGetRetiredPagesPendingStatus",
               "nvmlDeviceGetRetiredPages", "nvmlDeviceGetTemperature", "nvmlDeviceGetCurrentClocksEventReasons",
               "nvmlDeviceGetCurrPcieLinkGeneration", "nvmlDeviceGetCurrPcieLinkWidth",
-              "nvmlDeviceGetPcieReplayCounter", "nvmlDeviceGetNvLinkState", "nvmlDeviceGetNvLinkErrorCounter",
-              "nvmlDeviceGetFieldValues", "nvmlDeviceGetGpuFabricInfoV"]
+              "nvmlDeviceGetPcieReplayCounter", "nvmlDeviceGetFieldValues", "nvmlDeviceGetGpuFabricInfoV"]
 
 
 @pytest.mark.parametrize("error", sorted(ERROR_CODES))

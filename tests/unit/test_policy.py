@@ -60,6 +60,11 @@ POLLED_TABLE: list[tuple[dict[str, object], dict[str, State]]] = [
     ({"recovery_action": "drain_and_reset"}, {"recovery-action-reset": State.UNHEALTHY}),
     ({"recovery_action": "node_reboot"}, {"recovery-action-reboot": State.UNHEALTHY}),
     ({"recovery_action": "drain_p2p"}, {"recovery-action-drain-p2p": State.DEGRADED}),
+    ({"recovery_action": "bus_reset"}, {"recovery-action-reset": State.UNHEALTHY}),
+    ({"recovery_action": "system_reboot"}, {"recovery-action-reboot": State.UNHEALTHY}),
+    ({"recovery_action": "recover_imex_domain"}, {"recovery-action-imex": State.UNHEALTHY}),
+    ({"recovery_action": "unknown", "recovery_action_code": 9}, {"recovery-action-unknown": State.UNKNOWN}),
+    ({"nvlink_active_count": 16, "model": "NVIDIA H100 80GB HBM3"}, {}),
     ({"fabric_health": "unhealthy"}, {"fabric-unhealthy": State.UNHEALTHY}),
     ({"fabric_health": "limited_capacity"}, {"fabric-limited": State.DEGRADED}),
     ({"reset_required": True}, {"reset-required": State.UNHEALTHY}),
@@ -89,6 +94,18 @@ def test_nvlink_error_counter_growth() -> None:
     prev = Reading(time=T, nvlink_error_count=5)
     assert codes(Reading(time=T + 5, nvlink_error_count=5), prev) == {}
     assert codes(Reading(time=T + 5, nvlink_error_count=6), prev) == {"nvlink-errors": State.DEGRADED}
+
+
+def test_expected_link_count_per_model_catches_a_link_that_never_trained() -> None:
+    cfg = HealthConfig(nvlink_expected_links={"NVIDIA H100 80GB HBM3": 18})
+    short = Reading(time=T, model="NVIDIA H100 80GB HBM3", nvlink_active_count=16, nvlink_down=())
+    [c] = evaluate_reading(short, None, cfg)
+    assert (c.code, c.severity, c.message) == ("nvlink-down", State.UNHEALTHY,
+                                               "NVLink down: 16 of 18 links active (health.nvlinkExpectedLinks)")
+    assert codes(Reading(time=T, model="NVIDIA H100 80GB HBM3", nvlink_active_count=18), cfg=cfg) == {}
+    # Another model, or a backend that cannot count links, is not held to it.
+    assert codes(Reading(time=T, model="NVIDIA L40S", nvlink_active_count=0), cfg=cfg) == {}
+    assert codes(Reading(time=T, model="NVIDIA H100 80GB HBM3"), cfg=cfg) == {}
 
 
 def test_corrected_ecc_limit_when_configured() -> None:
@@ -186,8 +203,10 @@ def test_every_policy_code_is_in_reasons_and_every_reason_row_is_reachable() -> 
     emitted = {c.code for _, c in EMITTED}
     assert set(KNOWN_MISMATCH) <= emitted  # else the entry is stale: drop it
     reached = {_spec(c) for _, c in EMITTED if c.code not in KNOWN_MISMATCH}
-    # nvml-error and flapping come from the tracker (test_every_tracker_code_has_a_reasons_row), not the policy.
-    unreached = {s.code for s in REASONS if s not in reached} - {"nvml-error", "flapping"}
+    # nvml-error and flapping come from the tracker (test_every_tracker_code_has_a_reasons_row), nvml-stalled from the
+    # monitor (its stall watch, the backend's skipped checks: tests/unit/test_nvml_realpynvml.py), not the policy.
+    unreached = {s.code for s in REASONS if s not in reached} - {"nvml-error", "flapping", "nvml-stalled",
+                                                                 "nvml-check-unavailable"}
     assert not unreached, f"REASONS rows no policy scenario produces: {sorted(unreached)}"
 
 

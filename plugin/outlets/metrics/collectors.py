@@ -122,6 +122,13 @@ class NvmlErrorCollector:
         errors = self._backend.call_errors if self._backend is not None else 0
         yield CounterFamily("gpu_health_nvml_call_errors", "NVML calls that failed (NotSupported excluded)",
                             value=errors)
+        skipped = GaugeFamily("gpu_health_nvml_check_unavailable",
+                              "1 for each health check skipped on a GPU because its NVML call crashed the plugin "
+                              "before (same GPU model and driver)", labels=["device", "check"])
+        for uuid, checks in sorted((self._backend.unavailable() if self._backend is not None else {}).items()):
+            for check in sorted(checks):
+                skipped.add_metric([uuid, check], 1)
+        yield skipped
 
 
 def _quantile(sorted_values: Sequence[float], q: float) -> float:

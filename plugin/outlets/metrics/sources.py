@@ -62,6 +62,10 @@ class NvmlCallCounter(Protocol):
     @property
     def call_errors(self) -> int: ...
 
+    def unavailable(self) -> dict[str, dict[str, str]]:
+        """Per GPU, the checks skipped because they crashed the library before, and why."""
+        ...
+
 
 class RegistrationRecordView(Protocol):
     """The supervisor's record of its registrations with the kubelet."""
