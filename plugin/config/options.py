@@ -238,7 +238,7 @@ class Config:
             "application_xids": sorted(h.application_xids), "ignored_xids": sorted(h.ignored_xids),
             "clear_after_polls": h.clear_after_polls, "rate_hold_s": h.rate_hold_s,
             "ecc_corrected_limit": h.ecc_corrected_limit, "ecc_corrected_rate_per_min": h.ecc_corrected_rate_per_min,
-            "overrides": h.overrides,
+            "overrides": h.overrides, "nvlink_expected_links": h.nvlink_expected_links,
             "kubelet_health": {k.value: v for k, v in h.kubelet_health.items()},
         }
         return out

@@ -464,8 +464,7 @@ class NvmlBackend:
                 if signal not in checks or checks[signal].startswith("error"):
                     checks[signal] = "on"
             except _Absent as exc:
-                if checks.get(signal) != f"off: {exc}":
-                    log.info("GPU %s: %s check off (%s)", gpu.uuid, signal, exc)
+                # Said once per GPU at start, in the what-is-watched lines (app) and by inspect.
                 checks[signal] = f"off: {exc}"
             except _Lost:
                 self.current_call = None
