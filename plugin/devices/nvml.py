@@ -613,7 +613,7 @@ class NvmlBackend:
                 "ecc_mode": static.get("ecc_mode"), "mig_mode": static.get("mig_mode"),
                 "fabric_state": static.get("fabric_state"),
                 "events": self._event_masks.get(gpu.uuid, 0),
-                "checks": {s: checks.get(s, "not read yet") for s in (*SIGNALS, "nvlink")},
+                "checks": {s: checks.get(s, "not read yet") for s in (*SIGNALS, "nvlink", "events")},
             })
         return out
 
@@ -633,15 +633,26 @@ class NvmlBackend:
             self._event_set = self._call("nvmlEventSetCreate")
         except (_Absent, self.nv.NVMLError, _Lost, _ResetRequired) as exc:
             log.error("NVML events unavailable (%s): relying on polling alone", exc)
+            for uuid in self._handles:
+                self._checks.setdefault(uuid, {})["events"] = f"off: {exc}"
             return
         for uuid, h in self._handles.items():
+            model = str(self._static.get(uuid, {}).get("name", ""))
+            checks = self._checks.setdefault(uuid, {})
+            crashed = self._skipped("events", model)
+            if crashed is not None:
+                checks["events"] = f"unavailable: crashed the process in {crashed.get('call') or 'an NVML call'}"
+                continue
             try:
-                supported = self._opt("nvmlDeviceGetSupportedEventTypes", h)
-                mask = (int(supported) if supported is not None else EV_XID | EV_DBE) & WANTED_EVENTS
-                if mask:
-                    self._call("nvmlDeviceRegisterEvents", h, mask, self._event_set)
-                    self._event_masks[uuid] = mask
+                with self._guard("events", model, "nvmlDeviceRegisterEvents"):
+                    supported = self._opt("nvmlDeviceGetSupportedEventTypes", h)
+                    mask = (int(supported) if supported is not None else EV_XID | EV_DBE) & WANTED_EVENTS
+                    if mask:
+                        self._call("nvmlDeviceRegisterEvents", h, mask, self._event_set)
+                        self._event_masks[uuid] = mask
+                checks["events"] = f"on (0x{mask:x})" if mask else "off: no event type this plugin uses"
             except (_Absent, self.nv.NVMLError, _Lost, _ResetRequired) as exc:
+                checks["events"] = f"off: {exc}"
                 log.error("cannot register NVML events for %s: %s (polling still covers it)", uuid, exc)
 
     def wait_events(self, timeout_s: float) -> Sequence[GpuEvent]:
