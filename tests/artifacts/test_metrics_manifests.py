@@ -15,7 +15,6 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from plugin.devices.model import GpuEvent
-from plugin.devices.nvml import NvmlBackend
 from plugin.health.config import HealthConfig
 from plugin.health.monitor import Monitor
 from plugin.health.node_state import NodeState
@@ -25,7 +24,7 @@ from plugin.kubelet.supervisor import Supervisor
 from plugin.outlets.correlation import CorrelationStats
 from plugin.outlets.metrics import Sources, build_registry
 from plugin.outlets.reporter import ReporterStatus
-from tests.fakes.fake_pynvml import eight_gpu_node
+from tests.fakes import nvml_standin
 from tests.unit.test_metrics_dra import idle_dra_mode
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,10 +35,10 @@ METRIC = re.compile(r"\b((?:gpu_health|process)_[a-z0-9_]+)\b")
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
-    backend = NvmlBackend(eight_gpu_node())
+    tmp = tmp_path_factory.mktemp("m")
+    backend, _ = nvml_standin.open_backend(tmp / "nvml", uuid_prefix="GPU-fake-")
     state = NodeState()
     monitor = Monitor(backend, state, HealthConfig(), 5.0, threading.Event())
-    tmp = tmp_path_factory.mktemp("m")
     sup = Supervisor(tmp / "dp", [WholeGpus()], state, AllocationConfig(dev_root=tmp), threading.Event())
     dra = idle_dra_mode(state, tmp)  # DRA mode's series too: the App runs one mode, the manifests serve both
     registry = build_registry(Sources(state, monitor, backend, sup, annotations=lambda: ReporterStatus(node="n"),

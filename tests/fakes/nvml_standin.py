@@ -223,3 +223,20 @@ class StandinNode:
         gpu: dict[str, Any] = self.doc["gpus"].pop(index)
         self.write()
         return gpu
+
+
+def open_backend(directory: Path, uuid_prefix: str | None = None, **node: Any) -> tuple[Any, StandinNode]:
+    """The real NvmlBackend over the real pynvml on the stand-in, with the built-in 8-GPU node written in
+    ``directory`` (``uuid_prefix``: GPUs named ``<prefix><index>``, as fixtures that predate the stand-in expect).
+    Loads the library first (skip locally, fail under CI=true where it cannot be built). The caller closes it."""
+    from plugin.devices.nvml import NvmlBackend
+
+    load_in_process(library_dir_or_skip())
+    doc = builtin_node()
+    if uuid_prefix is not None:
+        for g in doc["gpus"]:
+            g["uuid"] = f"{uuid_prefix}{g['index']}"
+    directory.mkdir(parents=True, exist_ok=True)
+    n = StandinNode(directory / "nvml-node.json", doc, **node)
+    with use_node(n.path):
+        return NvmlBackend(), n

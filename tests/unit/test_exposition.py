@@ -24,7 +24,6 @@ from prometheus_client.openmetrics import exposition as their_om
 from prometheus_client.utils import floatToGoString
 
 from plugin.devices.model import GpuEvent
-from plugin.devices.nvml import NvmlBackend
 from plugin.health.config import HealthConfig
 from plugin.health.monitor import Monitor
 from plugin.health.node_state import DeviceStatus, NodeState
@@ -49,7 +48,7 @@ from plugin.serve.exposition import (
     go_float,
 )
 from plugin.serve.process import PlatformCollector, ProcessCollector, python_info
-from tests.fakes.fake_pynvml import eight_gpu_node
+from tests.fakes import nvml_standin
 from tests.unit.test_metrics_dra import idle_dra_mode
 
 SCHEMES = (UNDERSCORES, ALLOW_UTF8, DOTS, VALUES)
@@ -206,10 +205,10 @@ def test_the_formats_differences_are_the_ones_prometheus_client_has() -> None:
 @pytest.fixture(scope="module")
 def every_source(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """A registry with every source on and every family holding series, free text in a reason included."""
-    backend = NvmlBackend(eight_gpu_node())
+    tmp = tmp_path_factory.mktemp("m")
+    backend, _ = nvml_standin.open_backend(tmp / "nvml", uuid_prefix="GPU-fake-")
     state = NodeState()
     monitor = Monitor(backend, state, HealthConfig(), 5.0, threading.Event())
-    tmp = tmp_path_factory.mktemp("m")
     sup = Supervisor(tmp / "dp", [WholeGpus()], state, AllocationConfig(dev_root=tmp), threading.Event())
     dra = idle_dra_mode(state, tmp)  # beside the supervisor only here: the App runs one or the other
     registry = build_registry(Sources(state, monitor, backend, sup,

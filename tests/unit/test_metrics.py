@@ -29,7 +29,7 @@ from plugin.outlets.correlation import CorrelationStats
 from plugin.outlets.metrics import Sources, build_registry, label_code
 from plugin.outlets.reporter import ReporterStatus
 from tests.conftest import FakeClock, NodeFile
-from tests.fakes.fake_pynvml import eight_gpu_node
+from tests.fakes import nvml_standin
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -146,15 +146,14 @@ def test_xids_are_counted_by_device_and_number(node: Node) -> None:
     assert value(s, "gpu_health_driver_events_total") == 4
 
 
-def test_nvml_call_errors_come_from_the_backend() -> None:
-    nv = eight_gpu_node()
-    backend = NvmlBackend(nv)
+def test_nvml_call_errors_come_from_the_backend(tmp_path: Path) -> None:
+    backend, node = nvml_standin.open_backend(tmp_path)
     state = NodeState()
     monitor = Monitor(backend, state, HealthConfig(), 5.0, threading.Event())
     reg = build_registry(Sources(state, monitor, backend), process=False)
     monitor.poll_once()
     assert value(scrape(reg), "gpu_health_nvml_call_errors_total") == 0
-    nv.fail[("nvmlDeviceGetTemperature", "GPU-fake-1")] = "unknown"
+    node.nvml(1, fail={"nvmlDeviceGetTemperature": "unknown"})
     monitor.poll_once()
     monitor.poll_once()
     assert value(scrape(reg), "gpu_health_nvml_call_errors_total") == backend.call_errors >= 2
@@ -224,10 +223,9 @@ def test_the_app_gives_a_collector_to_each_part_that_is_on(tmp_path: Path) -> No
         assert app.kube_reporter is None and app.correlator is not None and app.metrics_server is not None
         return app
 
-    nv = eight_gpu_node()
-    nvml = NvmlBackend(nv)
+    nvml, node = nvml_standin.open_backend(tmp_path / "nvml")
     app = app_with(nvml)
-    nv.fail[("nvmlDeviceGetTemperature", "GPU-fake-1")] = "unknown"
+    node.nvml(1, fail={"nvmlDeviceGetTemperature": "unknown"})
     app.monitor.poll_once()
     assert app.metrics_server is not None
     s = scrape(app.metrics_server.registry)

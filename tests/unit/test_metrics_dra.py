@@ -21,7 +21,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from plugin.app import App
 from plugin.config import Config
 from plugin.devices.model import GpuEvent
-from plugin.devices.nvml import NvmlBackend
 from plugin.dra import slices as rs
 from plugin.dra.checkpoint import Checkpoint
 from plugin.dra.driver import PREPARE, RESULTS, UNPREPARE, ClaimRef, Driver, RequestError, Result, Unavailable
@@ -33,7 +32,7 @@ from plugin.kube.errors import ApiFailure
 from plugin.outlets.metrics import Sources, build_registry
 from plugin.serve.exposition import Registry, encode_text
 from tests.conftest import FakeClock, write_kubeconfig
-from tests.fakes.fake_pynvml import eight_gpu_node
+from tests.fakes import nvml_standin
 from tests.fakes.node_devices import Node
 from tests.integration.test_dra_driver import NODE, T0, FakeClaims, Plugin, ours, uid
 from tests.unit.test_metrics import named, scrape, value
@@ -325,7 +324,7 @@ def test_device_plugin_mode_exposes_exactly_what_it_did_before_dra_metrics(tmp_p
     kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", "http://127.0.0.1:9")
     cfg = Config(backend="simulated", device_plugin_dir=tmp_path / "dp", state_dir=tmp_path / "state",
                  dev_root=tmp_path, metrics_address="127.0.0.1:0", node_name="n1", kubeconfig=kubeconfig)
-    app = App(cfg, NvmlBackend(eight_gpu_node()))
+    app = App(cfg, nvml_standin.open_backend(tmp_path / "nvml", uuid_prefix="GPU-fake-")[0])
     try:
         assert app.dra is None and app.kube_reporter is not None and app.correlator is not None
         app.monitor.poll_once()

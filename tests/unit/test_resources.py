@@ -298,27 +298,31 @@ def test_cached_encoding_equals_the_message_built_field_by_field(tmp_path: Path,
     n.backend.close()
 
 
-# Through the NVML backend (a fake pynvml): topology and MIG profiles come from discovery ----------------------------
+# Through the NVML backend (the real pynvml on the stand-in): topology and MIG profiles come from discovery -----------
 
-def nvml_node(fail_topology: bool) -> tuple[NodeState, Any]:
-    from plugin.devices.nvml import NvmlBackend
-    from tests.fakes.fake_pynvml import eight_gpu_node
+def nvml_node(tmp_path: Path, fail_topology: bool) -> tuple[NodeState, Any]:
+    from tests.fakes import nvml_standin
 
-    nv = eight_gpu_node()
-    nv.gpus[7].mig = [{"uuid": "MIG-7a", "gi": 1, "profile": "3g.40gb"},
-                      {"uuid": "MIG-7b", "gi": 2, "profile": "3g.40gb"}]
+    backend, node = nvml_standin.open_backend(tmp_path / "first", uuid_prefix="GPU-fake-")
+    backend.close()  # the node file is written; the backend under test opens on it as changed below
+    node.gpu(7)["mig_devices"] = [{"uuid": "MIG-7a", "gpu_instance_id": 1, "profile": "3g.40gb"},
+                                  {"uuid": "MIG-7b", "gpu_instance_id": 2, "profile": "3g.40gb"}]
     if fail_topology:  # the driver answers nothing useful about the interconnect
-        nv.fail[("nvmlDeviceGetTopologyCommonAncestor", None)] = "unknown"
-        nv.fail[("nvmlDeviceGetNvLinkRemotePciInfo", None)] = "unknown"
-    backend = NvmlBackend(nv)
+        node.nvml(None, fail={"nvmlDeviceGetTopologyCommonAncestor": "unknown",
+                              "nvmlDeviceGetNvLinkRemotePciInfo": "unknown"})
+    node.write()
+    from plugin.devices.nvml import NvmlBackend
+
+    with nvml_standin.use_node(node.path):
+        backend = NvmlBackend()
     state = NodeState()
     Monitor(backend, state, HealthConfig(), 5.0, threading.Event()).poll_once()
     return state, backend
 
 
 @pytest.mark.parametrize("fail_topology", [False, True])
-def test_nvml_discovery_feeds_resources_and_preferred(fail_topology: bool) -> None:
-    state, backend = nvml_node(fail_topology)
+def test_nvml_discovery_feeds_resources_and_preferred(tmp_path: Path, fail_topology: bool) -> None:
+    state, backend = nvml_node(tmp_path, fail_topology)
     rs = {r.name: r for r in build_resources("nvidia.com/gpu", "mixed", parse_sharing(None),
                                              profiles_of(backend.discover().gpus))}
     snap = state.snapshot()
