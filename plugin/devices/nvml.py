@@ -207,8 +207,9 @@ class NvmlBackend:
 
     # Call discipline ------------------------------------------------------------------------------------------
 
-    def _call(self, fn_name: str, *args: Any, past_end: bool = False) -> Any:
-        """One NVML call. ``past_end``: INVALID_ARGUMENT means "no such link", not a mistake of ours."""
+    def _call(self, fn_name: str, *args: Any, past_end: bool = False, normal: frozenset[int] = frozenset()) -> Any:
+        """One NVML call. ``past_end``: INVALID_ARGUMENT means "no such link", not a mistake of ours; ``normal``:
+        codes that are an ordinary answer of this call (raised, never counted as errors)."""
         fn = getattr(self.nv, fn_name, None)
         if fn is None:
             raise _Absent(fn_name, _why(ERR_FUNCTION_NOT_FOUND))
@@ -222,6 +223,8 @@ class NvmlBackend:
                 raise _Lost(fn_name) from exc
             if code == ERR_RESET_REQUIRED:
                 raise _ResetRequired(fn_name) from exc
+            if code in normal:
+                raise
             with self._errors_lock:
                 self._call_errors += 1
             raise
@@ -663,7 +666,8 @@ class NvmlBackend:
             time.sleep(timeout_s)
             return ()
         try:
-            data = self._call("nvmlEventSetWait_v2", event_set, int(timeout_s * 1000))
+            # TIMEOUT is how a wait with no event ends, four times a second on an idle node: not an error.
+            data = self._call("nvmlEventSetWait_v2", event_set, int(timeout_s * 1000), normal=frozenset({ERR_TIMEOUT}))
         except (_Absent, _Lost, _ResetRequired):
             return ()
         except self.nv.NVMLError as exc:

@@ -22,6 +22,22 @@ pynvml = pytest.importorskip("pynvml")
 H100_BUS = "00000000:18:00.0"
 
 
+class _FabricInfoV3(ctypes.Structure):
+    """nvml.h's nvmlGpuFabricInfo_v3_t, for bindings before 13.580 (12.560, the oldest the project declares, has only
+    the v2 struct); pynvml's own class, where it exists, is what the tests use."""
+
+    _fields_ = [("version", ctypes.c_uint), ("clusterUuid", ctypes.c_uint8 * 16), ("status", ctypes.c_int),
+                ("cliqueId", ctypes.c_uint32), ("state", ctypes.c_uint8), ("healthMask", ctypes.c_uint32),
+                ("healthSummary", ctypes.c_uint8)]
+
+    def __init__(self) -> None:
+        super().__init__(version=0x3000028)  # nvmlGpuFabricInfo_v3, as pynvml's constructor sets it
+
+
+def fabric_info_v3() -> Any:
+    return getattr(pynvml, "c_nvmlGpuFabricInfo_v3_t", _FabricInfoV3)()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def loaded() -> None:
     standin.load_in_process(standin.library_dir_or_skip())
@@ -84,7 +100,7 @@ def test_profile_answers(tmp_path: Path, profile: str) -> None:
             states = [pynvml.nvmlDeviceGetNvLinkState(h, k) for k in range(slots)]
             assert states == [1 if switched else 0] * slots
             assert code(pynvml.nvmlDeviceGetNvLinkState, h, slots) == pynvml.NVML_ERROR_INVALID_ARGUMENT
-        info = pynvml.c_nvmlGpuFabricInfo_v3_t()
+        info = fabric_info_v3()
         if fabric:
             pynvml.nvmlDeviceGetGpuFabricInfoV(h, ctypes.byref(info))
             assert (info.state, info.status, info.healthSummary) == (3, 0, 1)
@@ -183,7 +199,7 @@ def test_signals(nv: Any, node: StandinNode) -> None:
     assert nv.nvmlDeviceGetCurrentClocksThrottleReasons(h) == 0x88
     assert (nv.nvmlDeviceGetCurrPcieLinkGeneration(h), nv.nvmlDeviceGetCurrPcieLinkWidth(h)) == (3, 8)
     assert nv.nvmlDeviceGetPcieReplayCounter(h) == 12
-    info = nv.c_nvmlGpuFabricInfo_v3_t()
+    info = fabric_info_v3()
     nv.nvmlDeviceGetGpuFabricInfoV(h, ctypes.byref(info))
     assert info.healthSummary == 3
     node.set(1, clock_event_reasons=None)
@@ -354,19 +370,19 @@ def test_subprocess_sees_the_standin(node: StandinNode) -> None:
 
 def test_fabric_struct_by_value_is_a_violation(nv: Any) -> None:
     h = handle(0)
-    result = code(nv.nvmlDeviceGetGpuFabricInfoV, h, nv.c_nvmlGpuFabricInfo_v3_t())  # the backend's bug
+    result = code(nv.nvmlDeviceGetGpuFabricInfoV, h, fabric_info_v3())  # the backend's bug
     assert result != 0
     found = standin.violations()
     assert len(found) == 1 and "nvmlDeviceGetGpuFabricInfoV" in found[0]
     standin.reset_violations()
-    info = nv.c_nvmlGpuFabricInfo_v3_t()
+    info = fabric_info_v3()
     nv.nvmlDeviceGetGpuFabricInfoV(h, ctypes.byref(info))
     assert info.healthSummary == 1
 
 
 def test_wrong_struct_version(nv: Any) -> None:
     assert code(nv.nvmlDeviceGetMemoryInfo, handle(0), 0x1000028) == nv.NVML_ERROR_ARGUMENT_VERSION_MISMATCH
-    info = nv.c_nvmlGpuFabricInfo_v3_t()
+    info = fabric_info_v3()
     info.version = 0x4000030
     assert code(nv.nvmlDeviceGetGpuFabricInfoV, handle(0), ctypes.byref(info)) == \
         nv.NVML_ERROR_ARGUMENT_VERSION_MISMATCH
