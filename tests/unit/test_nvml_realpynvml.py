@@ -341,3 +341,41 @@ def test_inspect_prints_what_nvml_reported_and_which_checks_are_off(tmp_path: Pa
     assert len(doc["gpus"]) == 8 and doc["driver"] == "570.124.06"
     assert doc["gpus"][7]["checks"]["fabric"].startswith("off: ")
     assert doc["gpus"][7]["checks"]["ecc"] == "on" and doc["gpus"][7]["ecc_mode"] is True
+
+
+# The names: what the backend calls exists in the installed binding, and what the binding resolves exists in a library
+# built against nvml.h --------------------------------------------------------------------------------------------
+
+def _backend_calls() -> set[str]:
+    import re
+
+    from plugin.devices import nvml
+
+    return set(re.findall(r'"(nvml(?:Device|System|Event|Shutdown)[A-Za-z0-9_]*)"', Path(nvml.__file__).read_text()))
+
+
+def test_every_call_the_backend_makes_is_in_the_installed_binding_and_resolves_to_an_nvml_h_symbol() -> None:
+    """Run on the newest nvidia-ml-py and, in CI, on the oldest the package declares (12.560): a wrapper missing
+    there reads as an absent check, so it must be one the backend can do without, never a core one."""
+    import inspect
+    import re
+
+    optional = {"nvmlDeviceGetCurrentClocksThrottleReasons", "nvmlDeviceGetPciInfo"}  # fallbacks only
+    missing = {name for name in _backend_calls() if not hasattr(pynvml, name)}
+    assert missing <= optional, f"the installed nvidia-ml-py lacks {sorted(missing)}"
+    lib = standin._library()
+
+    def symbols(name: str, seen: frozenset[str] = frozenset()) -> set[str]:
+        """The C functions a wrapper resolves, through the wrappers it delegates to."""
+        source = inspect.getsource(getattr(pynvml, name))
+        found = set(re.findall(r'_nvmlGetFunctionPointer\("([A-Za-z0-9_]+)"\)', source))
+        for other in set(re.findall(r"\b(nvml[A-Za-z0-9_]+)\(", source)) - {name} - seen:
+            if callable(getattr(pynvml, other, None)) and other.startswith("nvmlDevice"):
+                found |= symbols(other, seen | {name})
+        return found
+
+    for name in sorted(_backend_calls() - missing):
+        resolved = symbols(name)
+        assert resolved, f"pynvml.{name} resolves no C function"
+        for symbol in resolved:
+            assert hasattr(lib, symbol), f"pynvml.{name} calls {symbol}, which the nvml.h-checked stand-in lacks"
