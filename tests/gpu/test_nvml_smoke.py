@@ -1,45 +1,23 @@
 """Smoke test on a real NVIDIA GPU: the NVML backend discovers every GPU, reads every signal without raising, the
-policy classifies the readings, and the event wait returns. Prints what it saw (record it in docs/gpu-smoke.md)."""
+policy classifies the readings, the event wait returns, and a GPU with no fault reads Healthy. The run is a child
+process (tests/gpu/smoke.py), apart from any NVML stand-in this pytest process loaded. Prints what it saw (record
+it in docs/gpu-smoke.md)."""
 
 from __future__ import annotations
 
-import json
-import threading
-from dataclasses import asdict
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from plugin.devices.nvml import NvmlBackend
-from plugin.health.config import HealthConfig
-from plugin.health.monitor import Monitor
-from plugin.health.node_state import NodeState
-from plugin.health.policy import evaluate_reading
-
 pytestmark = pytest.mark.gpu
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_real_gpu_discovery_readings_and_events() -> None:
-    backend = NvmlBackend()
-    try:
-        d = backend.discover()
-        assert d.error is None and d.gpus, d.error
-        report = {"driver": d.driver_version, "gpus": []}
-        for gpu in d.gpus:
-            assert gpu.uuid.startswith(("GPU-", "MIG-")) and len(gpu.uuid) <= 63
-            reading = backend.read(gpu)
-            assert not reading.lost
-            conditions = evaluate_reading(reading, None, HealthConfig())
-            r = asdict(reading)
-            r["clock_event_reasons"] = sorted(r["clock_event_reasons"] or [])
-            report["gpus"].append({"gpu": {**asdict(gpu), "mig_devices": len(gpu.mig_devices)}, "reading": r,
-                                   "conditions": [c.code for c in conditions]})
-        assert backend.wait_events(1.0) is not None
-        state = NodeState()
-        monitor = Monitor(backend, state, HealthConfig(), 5.0, threading.Event())
-        monitor.poll_once()
-        report["states"] = {s.id: s.state.value for s in state.snapshot().devices}
-        report["poll_ms"] = round(monitor.poll_durations[-1] * 1000, 3)
-        report["nvml_call_errors"] = backend.call_errors
-        print(json.dumps(report, indent=1, default=str))
-    finally:
-        backend.close()
+    run = subprocess.run([sys.executable, "-m", "tests.gpu.smoke"], cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
+    print(run.stdout)
+    assert run.returncode == 0, run.stderr
