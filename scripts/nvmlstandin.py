@@ -27,7 +27,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `scripts.gobuild` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.gobuild import cache_root, find_go
+from scripts.gobuild import GoBuildError, cache_root, find_go
 
 # The newest go-nvml whose nvml.h declares nvmlGpuFabricInfo_v3_t with healthSummary (what the backend reads).
 GO_NVML_MODULE = "github.com/NVIDIA/go-nvml"
@@ -42,18 +42,9 @@ class StandinToolchainMissing(RuntimeError):
     """gcc or go (needed for NVIDIA's nvml.h) is not installed."""
 
 
-class StandinBuildError(RuntimeError):
-    """Fetching nvml.h or compiling the stand-in failed; ``output`` holds the tool's output."""
-
-    def __init__(self, message: str, output: str = "") -> None:
-        super().__init__(message)
-        self.output = output
-
-    @property
-    def looks_like_network(self) -> bool:
-        from scripts.gobuild import NETWORK_ERROR_MARKERS
-
-        return any(marker in self.output for marker in NETWORK_ERROR_MARKERS)
+class StandinBuildError(GoBuildError):
+    """Fetching nvml.h (through Go's module download) or compiling the stand-in failed; ``output`` holds the tool's
+    output, and ``looks_like_network`` tells an unreachable module proxy from broken code, as for the Go peers."""
 
 
 def find_gcc() -> str | None:

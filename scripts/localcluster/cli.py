@@ -1,10 +1,11 @@
 """scripts/local-cluster up | down | status: a throw-away Kubernetes cluster on this machine (docs/local-cluster.md).
 
 up      build or reuse the binaries and images, start every component, wait for the node to be Ready, and print
-        one JSON object (kubeconfig, node_name, node_file, plugin_image, workload_image, logs, ...)
+        one JSON object (kubeconfig, node_name, node_file, nvml_node_file, plugin_image, workload_image, logs, ...)
 status  the same JSON while the cluster runs (exit 1 when none is up)
 down    stop everything and remove every process, mount, interface and directory up made
-deploy  apply the plugin (kubectl apply -k manifests/overlays/local-cluster) and wait until the Node shows its GPUs
+deploy  apply the plugin (kubectl apply -k manifests/overlays/local-cluster) and wait until the Node shows its GPUs;
+        --overlay local-cluster-nvml runs it on the NVML backend over the NVML stand-in instead
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=("up", "down", "status", "deploy"))
     parser.add_argument("--timeout", type=float, default=240, help="seconds to wait for each component (up)")
+    parser.add_argument("--overlay", default="local-cluster", metavar="NAME",
+                        help="the overlay of manifests/overlays that deploy applies (default %(default)s)")
     args = parser.parse_args(argv)
     c = cluster.Cluster()
     try:
@@ -59,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(status, indent=2))
             return 0 if status["running"] else 1
         elif args.command == "deploy":
-            print(json.dumps(c.deploy(), indent=2))
+            print(json.dumps(c.deploy(args.overlay), indent=2))
         else:
             removed = c.down()
             left = cluster.leftovers()

@@ -104,6 +104,23 @@ class Layout:
         return self.work / "devroot"
 
     @property
+    def nvml_lib_dir(self) -> Path:
+        """The NVML stand-in's libnvidia-ml.so.1, where a driver install would put its library on the host; the
+        nvml overlay (manifests/components/local-cluster-nvml) mounts it where the image looks for a driver's."""
+        return self.work / "nvml" / "lib"
+
+    @property
+    def nvml_node_dir(self) -> Path:
+        # Its own directory, mounted whole: the stand-in watches the file's directory and sees a fault injector's
+        # atomic rename there, which a file bind mount would hide.
+        return self.work / "nvml" / "node"
+
+    @property
+    def nvml_node_file(self) -> Path:
+        """The node file the NVML stand-in answers from (GHDP_NVML_STANDIN_NODE): edit it to inject faults."""
+        return self.nvml_node_dir / "node.json"
+
+    @property
     def kubelet_root(self) -> Path:
         return self.work / "kubelet"
 
@@ -344,6 +361,33 @@ def make_node_files(layout: Layout) -> None:
             os.mknod(path, 0o666 | 0o020000, os.makedev(195, minor))
 
 
+def make_nvml_files(layout: Layout, standin_dir: Path) -> None:
+    """The NVML stand-in's library and its node file: the same 8 GPUs as the simulated node file, as H100 SXM."""
+    from plugin.devices.simulated import builtin_node, write_node_file
+    from scripts.nvmlstandin import LIBRARY
+
+    layout.nvml_lib_dir.mkdir(parents=True, exist_ok=True)
+    # A copy, not a link into the build cache: the pod mounts this directory, and a symlink would point at a path
+    # that does not exist inside it.
+    shutil.copyfile(standin_dir / LIBRARY, layout.nvml_lib_dir / LIBRARY)
+    (layout.nvml_lib_dir / LIBRARY).chmod(0o755)
+    layout.nvml_node_dir.mkdir(parents=True, exist_ok=True)
+    doc = builtin_node()
+    doc["nvml"] = {"profile": "h100-sxm"}
+    write_node_file(layout.nvml_node_file, doc)
+
+
+def build_nvml_standin() -> Path:
+    """The directory of the NVML stand-in's libnvidia-ml.so.1 (scripts/nvmlstandin.py), built once and cached. It
+    needs gcc and Go, which the cluster's own binaries (runc with cgo) need already."""
+    from scripts import nvmlstandin
+
+    try:
+        return nvmlstandin.build()
+    except (nvmlstandin.StandinToolchainMissing, nvmlstandin.StandinBuildError) as exc:
+        raise ClusterError(f"building the NVML stand-in failed: {str(exc).splitlines()[0]}") from exc
+
+
 def make_bridge(made: Made) -> None:
     if Path(f"/sys/class/net/{BRIDGE}").exists():
         return
@@ -554,7 +598,7 @@ class Cluster:
         return {**info, "running": not dead, "stopped": dead}
 
     def up(self, images: Callable[[], dict[str, Any]], binaries: Callable[[], dict[str, Path]],
-           ready_timeout: float = 180) -> dict[str, Any]:
+           ready_timeout: float = 180, nvml_standin: Callable[[], Path] = build_nvml_standin) -> dict[str, Any]:
         lay = self.layout
         require_root()
         lay.work.mkdir(parents=True, exist_ok=True)
@@ -572,7 +616,7 @@ class Cluster:
             made.note("work", str(lay.work))
             started = time.monotonic()
             try:
-                info = self._up(made, images, binaries, ready_timeout)
+                info = self._up(made, images, binaries, ready_timeout, nvml_standin)
             except BaseException:
                 log("up failed; removing what it made (logs are kept in " + str(lay.logs) + " until down)")
                 self._teardown(keep_logs=True)
@@ -589,14 +633,17 @@ class Cluster:
     # up, step by step ----------------------------------------------------------------------------------------------
 
     def _up(self, made: Made, images: Callable[[], dict[str, Any]], binaries: Callable[[], dict[str, Path]],
-            ready_timeout: float) -> dict[str, Any]:
+            ready_timeout: float, nvml_standin: Callable[[], Path]) -> dict[str, Any]:
         lay = self.layout
         log("building or reusing the binaries")
         link_binaries(lay, binaries())
         log("building or reusing the images")
         imgs = images()
+        log("building or reusing the NVML stand-in")
+        standin = nvml_standin()
         tokens = make_pki(lay)
         make_node_files(lay)
+        make_nvml_files(lay, standin)
         (lay.work / "plugin-state").mkdir(exist_ok=True)
         if not DEVICE_PLUGIN_DIR.exists():
             # Record the highest directory we create, so down removes exactly that.
@@ -687,6 +734,8 @@ class Cluster:
         if self.status() is None:
             raise ClusterError("no cluster is up: `scripts/local-cluster up` first")
         path = self.overlay(overlay)
+        if not (path / "kustomization.yaml").is_file():
+            raise ClusterError(f"no overlay {overlay!r} in manifests/overlays")
         self.kubectl("apply", "-k", str(path), timeout=120)
         self.kubectl("-n", "gpu-health-system", "rollout", "status", "daemonset/gpu-health-device-plugin",
                      f"--timeout={int(timeout)}s", timeout=timeout + 10)
@@ -723,6 +772,8 @@ class Cluster:
             "kubectl": str(lay.bin / "kubectl"),
             "node_name": NODE_NAME,
             "node_file": str(lay.node_file),
+            "nvml_lib_dir": str(lay.nvml_lib_dir),
+            "nvml_node_file": str(lay.nvml_node_file),
             "plugin_image": imgs["plugin"]["ref"],
             "workload_image": imgs["workload"]["ref"],
             "logs": str(lay.logs),

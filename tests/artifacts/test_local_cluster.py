@@ -92,3 +92,36 @@ def test_kubelet_config_for_this_host(tmp_path: Path, monkeypatch: pytest.Monkey
     assert cfg["podLogsDir"].startswith(str(tmp_path))
     monkeypatch.setattr(lc, "cgroup_version", lambda: 2)
     assert "failCgroupV1" not in json.loads(lc.write_kubelet_config(layout).read_text())
+
+
+def test_up_puts_the_nvml_standin_where_a_driver_would_and_its_node_file_beside_it(tmp_path: Path) -> None:
+    """What `up` writes for overlays/local-cluster-nvml, run here with the real stand-in: the copied library, loaded
+    from its place in the work dir by the real pynvml in a child process, answers from the node file for the same 8
+    GPUs as the simulated node."""
+    import subprocess
+    import sys
+
+    from plugin.devices.simulated import builtin_node, parse_node
+    from scripts.nvmlstandin import LIBRARY
+    from tests.fakes import nvml_standin
+
+    layout = lc.Layout(tmp_path / "work")
+    lc.make_nvml_files(layout, nvml_standin.library_dir_or_skip())
+    lib = layout.nvml_lib_dir / LIBRARY
+    # A copy (a link into the build cache would lead nowhere inside the pod), under the work dir down removes.
+    assert lib.is_file() and not lib.is_symlink() and lib.stat().st_mode & 0o111
+    assert layout.nvml_node_file.parent == layout.nvml_node_dir
+    assert layout.nvml_lib_dir.is_relative_to(layout.work) and layout.nvml_node_dir.is_relative_to(layout.work)
+    doc = json.loads(layout.nvml_node_file.read_text())
+    assert doc["nvml"] == {"profile": "h100-sxm"}
+    assert [g["uuid"] for g in doc["gpus"]] == [g["uuid"] for g in builtin_node()["gpus"]]
+    parse_node(doc)  # the simulated backend accepts it too: one format
+    env = nvml_standin.env_for_subprocess(layout.nvml_node_file, layout.nvml_lib_dir)
+    r = subprocess.run([sys.executable, "-m", "plugin", "inspect", "-o", "json"], env=env, capture_output=True,
+                       text=True, timeout=60, cwd=lc.REPO)
+    assert r.returncode == 0 and "VIOLATION" not in r.stderr, r.stderr
+    gpus = json.loads(r.stdout)["gpus"]
+    assert [(g["uuid"], g["name"]) for g in gpus] == [(g["uuid"], "NVIDIA H100 80GB HBM3") for g in doc["gpus"]]
+    # The up JSON names both.
+    info = lc.Cluster(layout)._info_from({"plugin": {"ref": "p"}, "workload": {"ref": "w"}})
+    assert (info["nvml_lib_dir"], info["nvml_node_file"]) == (str(layout.nvml_lib_dir), str(layout.nvml_node_file))

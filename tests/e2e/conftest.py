@@ -250,7 +250,8 @@ def local() -> Iterator[Local]:
     try:
         c.down()
         started = time.monotonic()
-        info = c.up(_timed("images", cli._images), _timed("binaries", cli._binaries), ready_timeout=240)
+        info = c.up(_timed("images", cli._images), _timed("binaries", cli._binaries), ready_timeout=240,
+                    nvml_standin=_timed("nvml stand-in", lc.build_nvml_standin))
         TIMES["up"] = time.monotonic() - started
         _timed("deploy", c.deploy)()
     except lc.ClusterError as exc:
