@@ -1337,6 +1337,16 @@ static nvmlReturn_t put_str(const char *s, char *out, unsigned int len)
         ret = (code);                                                                                            \
         goto out;                                                                                                \
     } while (0)
+/* An enum argument out of nvml.h's range: the real library answers INVALID_ARGUMENT, but no caller of ours means to
+ * pass one, and a pointer landing in an enum's slot is what a missing or misplaced argument looks like. */
+#define ENUM_IN_RANGE(ok, arg)                                                                                   \
+    do {                                                                                                         \
+        if (!(ok)) {                                                                                             \
+            violation("%s: %s: %#llx is not a value nvml.h defines (an argument missing or out of place?)", fn_, \
+                      #arg, (unsigned long long)(arg));                                                          \
+            RETURN(NVML_ERROR_INVALID_ARGUMENT);                                                                 \
+        }                                                                                                        \
+    } while (0)
 #define LEAVE                                                                                                    \
     out:                                                                                                         \
     pthread_mutex_unlock(&g_mu);                                                                                 \
@@ -1877,8 +1887,8 @@ nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t device, nvmlMemoryErrorTyp
     DEVICE(device);
     PTR(eccCounts);
     STATE(0);
-    if ((unsigned)errorType > NVML_MEMORY_ERROR_TYPE_UNCORRECTED || (unsigned)counterType > NVML_AGGREGATE_ECC)
-        RETURN(NVML_ERROR_INVALID_ARGUMENT);
+    ENUM_IN_RANGE((unsigned)errorType <= NVML_MEMORY_ERROR_TYPE_UNCORRECTED, errorType);
+    ENUM_IN_RANGE((unsigned)counterType <= NVML_AGGREGATE_ECC, counterType);
     if (!g->ecc_on)
         RETURN(NVML_ERROR_NOT_SUPPORTED);
     *eccCounts = errorType == NVML_MEMORY_ERROR_TYPE_UNCORRECTED ? g->ecc_unc : g->ecc_corr;
@@ -1936,8 +1946,7 @@ nvmlReturn_t nvmlDeviceGetRetiredPages(nvmlDevice_t device, nvmlPageRetirementCa
     STATE(0);
     if (!g->profile->retired)
         RETURN(NVML_ERROR_NOT_SUPPORTED);
-    if ((unsigned)cause >= NVML_PAGE_RETIREMENT_CAUSE_COUNT)
-        RETURN(NVML_ERROR_INVALID_ARGUMENT);
+    ENUM_IN_RANGE((unsigned)cause < NVML_PAGE_RETIREMENT_CAUSE_COUNT, cause);
     /* All retired pages are double-bit ones: the count is what the policy reads, the cause split is not. */
     unsigned n = cause == NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR ? g->retired_count : 0;
     if (n == 0) {
@@ -1961,6 +1970,7 @@ nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device, nvmlTemperatureSensor
     DEVICE(device);
     PTR(temp);
     STATE(0);
+    ENUM_IN_RANGE((unsigned)sensorType < NVML_TEMPERATURE_COUNT, sensorType);
     if (sensorType != NVML_TEMPERATURE_GPU)
         RETURN(NVML_ERROR_INVALID_ARGUMENT);
     *temp = g->temp;
@@ -1974,8 +1984,7 @@ nvmlReturn_t nvmlDeviceGetTemperatureThreshold(nvmlDevice_t device, nvmlTemperat
     DEVICE(device);
     PTR(temp);
     STATE(0);
-    if ((unsigned)thresholdType >= NVML_TEMPERATURE_THRESHOLD_COUNT)
-        RETURN(NVML_ERROR_INVALID_ARGUMENT);
+    ENUM_IN_RANGE((unsigned)thresholdType < NVML_TEMPERATURE_THRESHOLD_COUNT, thresholdType);
     if (thresholdType == NVML_TEMPERATURE_THRESHOLD_SHUTDOWN)
         *temp = g->shutdown;
     else if (thresholdType == NVML_TEMPERATURE_THRESHOLD_SLOWDOWN)
@@ -2132,8 +2141,7 @@ nvmlReturn_t nvmlDeviceGetNvLinkErrorCounter(nvmlDevice_t device, unsigned int l
     STATE(0);
     link_t l;
     TRY(link_of(g, link, &l));
-    if ((unsigned)counter >= NVML_NVLINK_ERROR_COUNT)
-        RETURN(NVML_ERROR_INVALID_ARGUMENT);
+    ENUM_IN_RANGE((unsigned)counter < NVML_NVLINK_ERROR_COUNT, counter);
     *counterValue = 0;
     if (link == 0 && counter == NVML_NVLINK_ERROR_DL_REPLAY)
         *counterValue = g->nvlink_err;

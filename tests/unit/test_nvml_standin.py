@@ -392,6 +392,26 @@ def test_wrong_struct_version(nv: Any) -> None:
     standin.reset_violations()
 
 
+def test_a_missing_argument_is_a_violation(nv: Any) -> None:
+    """A wrapper that drops an argument moves the next one into its slot: the output pointer lands where nvml.h wants
+    an enum, and the real library would read or write through whatever the missing register held."""
+    lib = standin._library()
+    h = handle(0)
+    count, temp = ctypes.c_ulonglong(), ctypes.c_uint()
+    # Whichever check meets it first (the leftover register as the output pointer, or the pointer as the enum), the
+    # call is refused and recorded, never served.
+    calls = [("nvmlDeviceGetTotalEccErrors", (h, 1, ctypes.byref(count)), ("counterType", "eccCounts")),
+             ("nvmlDeviceGetNvLinkErrorCounter", (h, 0, ctypes.byref(count)), ("counter", "counterValue")),
+             ("nvmlDeviceGetTemperature", (h, ctypes.byref(temp)), ("sensorType", "temp"))]
+    for name, args, slots in calls:
+        standin.reset_violations()
+        result = getattr(lib, name)(*args)
+        found = standin.violations()
+        standin.reset_violations()
+        assert result == pynvml.NVML_ERROR_INVALID_ARGUMENT, name
+        assert len(found) == 1 and found[0].startswith(tuple(f"{name}: {slot}: " for slot in slots)), found
+
+
 def test_foreign_handle_and_bad_pointer(nv: Any) -> None:
     fake = ctypes.c_int(0)
     bogus = ctypes.cast(ctypes.pointer(fake), nv.c_nvmlDevice_t)
