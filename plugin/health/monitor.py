@@ -204,7 +204,8 @@ class Monitor:
                     self._cycle_lock.wait(remaining)
                     continue
                 blocked = self._reading
-                pending = [u for u in self._gpus if u not in self._read_this_cycle]
+                # list() copies the keys in one step under the GIL: the poll thread owns _gpus, but it is stuck.
+                pending = [u for u in list(self._gpus) if u not in self._read_this_cycle]
                 age = time.monotonic() - started
             self._mark_stalled(blocked, pending, age)
             self.stop.wait(1.0)
