@@ -453,9 +453,9 @@ class NvmlBackend:
         checks = self._checks.setdefault(gpu.uuid, {})
         reset_required = False
         for signal, call, fn in self._readers(gpu.uuid, h):
-            if checks.get(signal, "").startswith("off"):
-                continue
-            crashed = self._skipped(signal, gpu.name)
+            if checks.get(signal, "").startswith(("off", "unavailable")):
+                continue  # settled for this process: the GPU lacks it, or it crashed the library before
+            crashed = None if (signal, gpu.name) in self._proven else self._skipped(signal, gpu.name)
             if crashed is not None:
                 checks[signal] = f"unavailable: crashed the process in {crashed.get('call') or call}"
                 continue

@@ -163,6 +163,11 @@ def initialised(node_file: os.PathLike[str] | str) -> Iterator[Any]:
             pynvml.nvmlShutdown()
 
 
+# What NVML calls each of the stand-in's profiles (tests/nvml_standin/standin.c's PROFILES).
+MODEL_NAMES = {"a100-sxm": "NVIDIA A100-SXM4-80GB", "h100-sxm": "NVIDIA H100 80GB HBM3",
+               "h100-pcie": "NVIDIA H100 PCIe", "l40s": "NVIDIA L40S", "t4": "Tesla T4", "gb200": "NVIDIA GB200"}
+
+
 class StandinNode:
     """A node file for the stand-in, rewritten atomically the way tests/conftest.py's NodeFile does: ``set`` changes
     a GPU's signals, ``nvml`` its stand-in-only keys (profile behaviour, forced failures, hangs, crashes)."""
@@ -177,6 +182,15 @@ class StandinNode:
         if driver_version is not None:
             top["driver_version"] = driver_version
         self.write()
+
+    @classmethod
+    def of_profile(cls, path: Path, profile: str) -> StandinNode:
+        """The built-in 8-GPU node as GPUs of ``profile``, each named as NVML names that model: the name is what
+        per-model settings (nvlinkExpectedLinks) and the crashed-call memory key on."""
+        doc = builtin_node()
+        for gpu in doc["gpus"]:
+            gpu["name"] = MODEL_NAMES[profile]
+        return cls(path, doc, profile=profile)
 
     @property
     def uuids(self) -> list[str]:
@@ -240,3 +254,26 @@ def open_backend(directory: Path, uuid_prefix: str | None = None, **node: Any) -
     n = StandinNode(directory / "nvml-node.json", doc, **node)
     with use_node(n.path):
         return NvmlBackend(), n
+
+
+def next_events(backend: Any, count: int, timeout_s: float = 5.0) -> list[Any]:
+    """Events as they come: each wait returns as soon as the stand-in queues one (a node-file rewrite wakes it)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    got: list[Any] = []
+    while len(got) < count and time.monotonic() < deadline:
+        got.extend(backend.wait_events(1.0))
+    return got
+
+
+def wait_state(state: Any, predicate: Any, timeout_s: float = 10.0) -> Any:
+    """The first snapshot of a NodeState that satisfies ``predicate``, woken by each publish; the last one seen at
+    the deadline."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    snap = state.snapshot()
+    while not predicate(snap) and time.monotonic() < deadline:
+        snap = state.wait_for_change(snap.version, max(0.0, deadline - time.monotonic()))
+    return snap

@@ -73,3 +73,12 @@ def running_app(root: Path, dev_root: Path, **extra: object) -> Iterator[Env]:
 def env(short_socket_dir: Path, dev_root: Path) -> Iterator[Env]:
     with running_app(short_socket_dir, dev_root) as e:
         yield e
+
+
+@pytest.fixture
+def kubelet(short_socket_dir: Path) -> Iterator[KubeletStandin]:
+    """The kubelet stand-in on the device-plugin dir a plugin process under test registers in."""
+    k = KubeletStandin(short_socket_dir / "dp")
+    k.start()
+    yield k
+    k.stop()

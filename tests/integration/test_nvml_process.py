@@ -16,14 +16,12 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from plugin.devices.simulated import builtin_node
 from plugin.devtools.standin import KubeletStandin
 from tests.fakes import nvml_standin as standin
 from tests.fakes.nvml_standin import StandinNode
@@ -84,22 +82,6 @@ def free_port() -> str:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return f"127.0.0.1:{probe.getsockname()[1]}"
-
-
-def node_of(path: Path, profile: str) -> StandinNode:
-    """The built-in 8-GPU node (two NVLink islands of four) as GPUs of ``profile``, named as that model is."""
-    doc = builtin_node()
-    for gpu in doc["gpus"]:
-        gpu["name"] = PROFILES[profile][0]
-    return StandinNode(path, doc, profile=profile)
-
-
-@pytest.fixture
-def kubelet(short_socket_dir: Path) -> Iterator[KubeletStandin]:
-    k = KubeletStandin(short_socket_dir / "dp")
-    k.start()
-    yield k
-    k.stop()
 
 
 @pytest.fixture
@@ -170,7 +152,7 @@ def wait_polls(plugin: Plugin, n: int) -> None:
 def test_every_profile_comes_up_healthy_and_stays_quiet(profile: str, short_socket_dir: Path,
                                                          kubelet: KubeletStandin, lib_dir: Path) -> None:
     name, checks = PROFILES[profile]
-    node = node_of(short_socket_dir / "node.json", profile)
+    node = StandinNode.of_profile(short_socket_dir / "node.json", profile)
     plugin = start(short_socket_dir, node, kubelet, lib_dir)
     try:
         assert kubelet.wait_for(lambda: kubelet.capacity() == (8, 8) or plugin.proc.poll() is not None, 30), \
@@ -203,7 +185,7 @@ def test_every_profile_comes_up_healthy_and_stays_quiet(profile: str, short_sock
 
 def test_a_link_fault_and_an_xid_reach_the_kubelet(short_socket_dir: Path, kubelet: KubeletStandin,
                                                   lib_dir: Path) -> None:
-    node = node_of(short_socket_dir / "node.json", "h100-sxm")
+    node = StandinNode.of_profile(short_socket_dir / "node.json", "h100-sxm")
     plugin = start(short_socket_dir, node, kubelet, lib_dir)
     uuids = node.uuids
     try:

@@ -14,8 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,6 @@ from typing import Any
 import pytest
 
 from plugin.devices.memory import INFLIGHT
-from plugin.devices.model import GpuEvent
 from plugin.devices.nvml import NvmlBackend
 from plugin.health.config import HealthConfig
 from plugin.health.monitor import Monitor
@@ -174,36 +172,6 @@ def no_violations(lib: None) -> Iterator[None]:
 
 # The product name each stand-in profile stands for: the node file's GPUs are renamed to it, since the name is the
 # GPU model that per-model settings (nvlinkExpectedLinks) and the crashed-call memory are keyed by.
-MODEL = {"a100-sxm": "NVIDIA A100-SXM4-80GB", "h100-sxm": "NVIDIA H100 80GB HBM3", "h100-pcie": "NVIDIA H100 PCIe",
-         "l40s": "NVIDIA L40S", "t4": "Tesla T4", "gb200": "NVIDIA GB200"}
-
-
-def make_node(path: Path, profile: str = "h100-sxm") -> StandinNode:
-    node = StandinNode(path, profile=profile)
-    for gpu in node.doc["gpus"]:
-        gpu["name"] = MODEL[profile]
-    node.write()
-    return node
-
-
-def next_events(b: NvmlBackend, count: int, timeout_s: float = 5.0) -> list[GpuEvent]:
-    """Events as they come: each wait returns as soon as the stand-in queues one (a node-file rewrite wakes it)."""
-    deadline = time.monotonic() + timeout_s
-    got: list[GpuEvent] = []
-    while len(got) < count and time.monotonic() < deadline:
-        got.extend(b.wait_events(1.0))
-    return got
-
-
-def wait_state(state: NodeState, predicate: Callable[[Snapshot], bool], timeout_s: float = 10.0) -> Snapshot:
-    """The first snapshot that satisfies ``predicate``, woken by each publish; the last one seen at the deadline."""
-    deadline = time.monotonic() + timeout_s
-    snap = state.snapshot()
-    while not predicate(snap) and time.monotonic() < deadline:
-        snap = state.wait_for_change(snap.version, max(0.0, deadline - time.monotonic()))
-    return snap
-
-
 def states(snap: Snapshot) -> list[State]:
     return [d.state for d in snap.devices]
 
@@ -233,7 +201,7 @@ def test_the_table_covers_every_reason_code() -> None:
 
 @pytest.mark.parametrize("row", [r for r in ROWS if r.drive == "table"], ids=lambda r: r.id)
 def test_reason_end_to_end(tmp_path: Path, row: Row) -> None:
-    node = make_node(tmp_path / "node.json", row.profile)
+    node = StandinNode.of_profile(tmp_path / "node.json", row.profile)
     if row.at_start:
         node.nvml(TARGET, **row.at_start)
     with standin.use_node(node.path):
@@ -259,7 +227,7 @@ def test_reason_end_to_end(tmp_path: Path, row: Row) -> None:
             monitor.poll_once()
         wanted = len(row.xids) + row.events
         if wanted:
-            events = next_events(backend, wanted)
+            events = standin.next_events(backend, wanted)
             assert len(events) == wanted and {e.uuid for e in events} == {node.uuids[TARGET]}, events
             monitor.handle_events(events)
         assert_row(row, state.snapshot(), node.uuids)
@@ -271,7 +239,7 @@ def test_reason_end_to_end(tmp_path: Path, row: Row) -> None:
 
 def test_nvml_stalled_while_a_call_hangs_and_cleared_when_it_returns(tmp_path: Path) -> None:
     row = ROW["nvml-stalled"]
-    node = make_node(tmp_path / "node.json")
+    node = StandinNode.of_profile(tmp_path / "node.json", "h100-sxm")
     with standin.use_node(node.path):
         backend = NvmlBackend()
     state = NodeState()
@@ -282,7 +250,7 @@ def test_nvml_stalled_while_a_call_hangs_and_cleared_when_it_returns(tmp_path: P
         assert states(state.snapshot()) == [State.HEALTHY] * 8
         node.nvml(TARGET, hang=["nvmlDeviceGetTemperature"])
         monitor.request_poll()
-        snap = wait_state(state, lambda s: s.get(node.uuids[TARGET]).state == State.UNKNOWN)  # type: ignore[union-attr]
+        snap = standin.wait_state(state, lambda s: s.get(node.uuids[TARGET]).state == State.UNKNOWN)  # type: ignore[union-attr]
         dev = snap.get(node.uuids[TARGET])
         assert dev is not None and (dev.reasons[0].code, dev.reasons[0].action) == (row.code, row.action)
         assert dev.state == row.state and "nvmlDeviceGetTemperature" in dev.reasons[0].message
@@ -290,7 +258,7 @@ def test_nvml_stalled_while_a_call_hangs_and_cleared_when_it_returns(tmp_path: P
         assert states(snap)[:TARGET] == [State.HEALTHY] * TARGET
         assert states(snap)[TARGET + 1:] == [State.UNKNOWN] * (7 - TARGET)
         node.nvml(TARGET, hang=None)  # the call returns, the cycle completes
-        snap = wait_state(state, lambda s: states(s) == [State.HEALTHY] * 8)
+        snap = standin.wait_state(state, lambda s: states(s) == [State.HEALTHY] * 8)
         assert states(snap) == [State.HEALTHY] * 8, [d.reasons for d in snap.devices]
     finally:
         node.nvml(TARGET, hang=None)  # never leave a poller thread blocked inside the library
@@ -316,7 +284,7 @@ def test_nvml_check_unavailable_after_a_call_crashed_the_process(tmp_path: Path)
     row = ROW["nvml-check-unavailable"]
     state_dir = tmp_path / "state"
     state_dir.mkdir()
-    node = make_node(tmp_path / "node.json")
+    node = StandinNode.of_profile(tmp_path / "node.json", "h100-sxm")
     for i in range(8):
         node.nvml(i, crash=["nvmlDeviceGetGpuFabricInfoV"])
     env = standin.env_for_subprocess(node.path)

@@ -10,7 +10,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -38,14 +37,6 @@ def list_devices(socket: Path) -> list[str]:
     with grpc.insecure_channel(f"unix://{socket}") as ch:
         resp = health_pb2_grpc.DeviceHealthStub(ch).List(health_pb2.ListRequest(), timeout=10)
     return [d.id for d in resp.devices]
-
-
-@pytest.fixture
-def kubelet(short_socket_dir: Path) -> Iterator[KubeletStandin]:
-    k = KubeletStandin(short_socket_dir / "dp")
-    k.start()
-    yield k
-    k.stop()
 
 
 def stop(proc: subprocess.Popen[str]) -> tuple[int, float, str]:

@@ -78,15 +78,6 @@ def codes_for(b: NvmlBackend, index: int, cfg: HealthConfig | None = None) -> se
     return {c.code for c in evaluate_reading(b.read(gpu), None, cfg or HealthConfig())}
 
 
-def next_events(b: NvmlBackend, count: int, timeout_s: float = 5.0) -> list[GpuEvent]:
-    """Events as they come: each wait returns as soon as the stand-in queues one (a node-file rewrite wakes it)."""
-    deadline = time.monotonic() + timeout_s
-    got: list[GpuEvent] = []
-    while len(got) < count and time.monotonic() < deadline:
-        got.extend(b.wait_events(1.0))
-    return got
-
-
 def eventually(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
     """For a state nothing signals (a thread inside a C call): re-check until true or the deadline."""
     pause = threading.Event()
@@ -451,7 +442,7 @@ def test_mig_discovery_and_instance_scoped_event(node: StandinNode) -> None:
         monitor = Monitor(b, state, HealthConfig(), 5.0, threading.Event())
         monitor.poll_once()
         node.set(0, mig_events=[{"gpu_instance_id": 2, "xid": 94}])  # a contained memory error inside instance 2
-        events = next_events(b, 1)
+        events = standin.next_events(b, 1)
         assert [(e.uuid, e.code, e.gpu_instance_id, e.compute_instance_id) for e in events] == [
             (node.uuids[0], 94, 2, 0)]
         monitor.handle_events(events)
@@ -460,7 +451,7 @@ def test_mig_discovery_and_instance_scoped_event(node: StandinNode) -> None:
             node.uuids[0]: State.HEALTHY, "MIG-a0": State.HEALTHY, "MIG-a1": State.DEGRADED,
             node.uuids[1]: State.HEALTHY}
         node.append_xid(0, 79)  # whole-GPU fatal: every slice follows its parent
-        monitor.handle_events(next_events(b, 1))
+        monitor.handle_events(standin.next_events(b, 1))
         snap = state.snapshot()
         assert [snap.get(i).state for i in (node.uuids[0], "MIG-a0", "MIG-a1")] == [State.UNHEALTHY] * 3  # type: ignore[union-attr]
 
@@ -475,7 +466,7 @@ def test_events_xid_dbe_unavailable_recovery(node: StandinNode) -> None:
         node.set(3, ecc_uncorrected_volatile=1)
         node.set(4, lost=True)
         node.nvml(5, recovery_action_raw=1)
-        got = next_events(b, 4)
+        got = standin.next_events(b, 4)
         # The unavailable event names GPU 4 though GPU 4 answers nothing now: matched by its handle's address.
         assert b.read(b.discover().gpus[4]).lost
     assert [(e.uuid, e.kind, e.code, e.gpu_instance_id) for e in got] == [
@@ -498,7 +489,7 @@ def test_registered_event_mask_and_each_kind_delivered(tmp_path: Path, lib: None
         expected = [(node.uuids[1], EventKind.XID, 48), (node.uuids[2], EventKind.ECC_DBE, 0)]
         if mask & UNAVAILABLE:
             expected += [(node.uuids[3], EventKind.GPU_UNAVAILABLE, 0), (node.uuids[4], EventKind.RECOVERY_ACTION, 2)]
-        got = next_events(b, len(expected))
+        got = standin.next_events(b, len(expected))
         assert [(e.uuid, e.kind, e.code) for e in got] == expected
         assert b.wait_events(0.1) == ()  # nothing further queued
 
