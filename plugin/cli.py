@@ -129,7 +129,13 @@ def _inspect(args: argparse.Namespace) -> int:
 
     state = config_mod.option("state_dir")
     state_dir = args.state_dir or Path(os.environ.get(state.env) or str(state.default))
+    if (args.state_dir or os.environ.get(state.env)) and not state_dir.is_dir():
+        # Named on purpose: a typo would silently hide the calls that crashed the plugin there.
+        named = "--state-dir" if args.state_dir else state.env
+        print(f"gpu-health-plugin inspect: {named} {state_dir}: not a directory", file=sys.stderr)
+        return EXIT_CONFIG
     try:
+        # The default dir missing means no plugin has run on this node: nothing to learn from it.
         backend = NvmlBackend(state_dir=state_dir if state_dir.is_dir() else None, read_only=True)
     except BackendError as exc:
         print(f"gpu-health-plugin inspect: {exc}", file=sys.stderr)

@@ -64,6 +64,9 @@ def test_json_file_and_health_section(tmp_path: Path) -> None:
     ({}, {}, "version: v1\nhealth:\n  overrides:\n    nvlink-down: Broken\n", "health.overrides.nvlink-down"),
     ({}, {}, "version: v1\nhealth:\n  kubeletHealth:\n    Degraded: Maybe\n", "health.kubeletHealth.Degraded"),
     ({}, {}, "version: v1\nhealth:\n  flap:\n    often: 3\n", "health.flap.often"),
+    ({}, {}, "version: v1\nhealth:\n  nvlinkExpectedLinks: [18]\n", "health.nvlinkExpectedLinks"),
+    ({}, {}, "version: v1\nhealth:\n  nvlinkExpectedLinks:\n    NVIDIA H100 80GB HBM3: -1\n",
+     "health.nvlinkExpectedLinks.NVIDIA H100 80GB HBM3"),
     ({}, {}, "version: v1\nnonsense: {}\n", "nonsense"),
     ({}, {}, "version: v1\nplugin: [\n", "--config"),
 ])

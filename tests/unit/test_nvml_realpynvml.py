@@ -12,7 +12,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -219,21 +218,13 @@ def test_two_handles_of_one_gpu_are_one_key_and_unequal_objects(node: Node) -> N
     assert handle_key(a) == handle_key(c) != handle_key(pynvml.nvmlDeviceGetHandleByIndex(4))
 
 
-def _events(b: NvmlBackend, count: int, timeout_s: float = 5.0) -> list[Any]:
-    got: list[Any] = []
-    deadline = time.monotonic() + timeout_s
-    while len(got) < count and time.monotonic() < deadline:
-        got += b.wait_events(0.5)
-    return got
-
-
 def test_a_lost_gpus_unavailable_event_reaches_that_gpu_without_asking_it(node: Node) -> None:
     b = node.backend()
     b.discover()
     standin.reset_call_counts()
     node.file.append_xid(5, 48)
     node.file.set(6, lost=True)
-    got = {(e.uuid, e.kind.value, e.code) for e in _events(b, 2)}
+    got = {(e.uuid, e.kind.value, e.code) for e in standin.next_events(b, 2)}
     assert got == {(node.file.uuids[5], "xid", 48), (node.file.uuids[6], "gpu-unavailable", 0)}
     assert standin.call_count("nvmlDeviceGetUUID") == 0
 
@@ -248,11 +239,11 @@ def test_every_event_kind_is_registered_where_the_driver_has_it(tmp_path: Path) 
             b = n.backend()
             assert {g["events"] for g in b.describe()} == {mask}
             n.file.set(1, ecc_uncorrected_volatile=1)
-            kinds = {e.kind.value for e in _events(b, 1)}
+            kinds = {e.kind.value for e in standin.next_events(b, 1)}
             assert kinds == {"ecc-dbe"}
             if mask & EV_RECOVERY_ACTION:
                 n.file.set(2, recovery_action="drain_and_reset")
-                [e] = _events(b, 1)
+                [e] = standin.next_events(b, 1)
                 assert (e.uuid, e.kind.value, e.code) == (n.file.uuids[2], "recovery-action", 4)
         finally:
             n.close()
@@ -295,24 +286,17 @@ def test_a_hung_call_turns_the_gpus_it_blocks_unknown_and_they_recover_when_it_r
     monitor.start(persist=False)
     try:
         node.file.nvml(3, hang=["nvmlDeviceGetTemperature"])
-        version = state.snapshot().version
+        def stalled(snap: Any) -> bool:
+            return all(d.state == State.UNKNOWN for d in snap.devices if d.gpu.index >= 3)
 
-        def stalled() -> bool:
-            s = states(state)
-            return all(s[i][0] == State.UNKNOWN for i in range(3, 8))
-
-        deadline = time.monotonic() + 10
-        while not stalled() and time.monotonic() < deadline:
-            version = state.wait_for_change(version, timeout=1.0).version
+        standin.wait_state(state, stalled)
         s = states(state)
         assert {i: s[i] for i in range(3, 8)} == {i: (State.UNKNOWN, ("nvml-stalled",)) for i in range(3, 8)}
         assert {i: s[i][0] for i in range(3)} == {i: State.HEALTHY for i in range(3)}
         message = state.snapshot().get(node.file.uuids[3]).reasons[0].message  # type: ignore[union-attr]
         assert "nvmlDeviceGetTemperature" in message
         node.file.nvml(3, hang=None)  # the driver answers again
-        deadline = time.monotonic() + 10
-        while any(v[0] != State.HEALTHY for v in states(state).values()) and time.monotonic() < deadline:
-            version = state.wait_for_change(version, timeout=1.0).version
+        standin.wait_state(state, lambda snap: all(d.state == State.HEALTHY for d in snap.devices))
         assert states(state) == {i: (State.HEALTHY, ()) for i in range(8)}
     finally:
         stop.set()
@@ -323,12 +307,10 @@ def test_a_hung_call_turns_the_gpus_it_blocks_unknown_and_they_recover_when_it_r
 # What is watched --------------------------------------------------------------------------------------------------
 
 def test_inspect_prints_what_nvml_reported_and_which_checks_are_off(tmp_path: Path) -> None:
-    n = StandinNode(tmp_path / "node.json", profile="h100-pcie")
-    for g in n.doc["gpus"]:
-        g["name"] = "NVIDIA H100 PCIe"
-    n.write()
+    n = StandinNode.of_profile(tmp_path / "node.json", "h100-pcie")
     env = standin.env_for_subprocess(n.path)
-    table = subprocess.run([sys.executable, "-m", "plugin", "inspect", "--state-dir", str(tmp_path / "none")],
+    (tmp_path / "state").mkdir()  # a plugin's state dir that holds nothing yet
+    table = subprocess.run([sys.executable, "-m", "plugin", "inspect", "--state-dir", str(tmp_path / "state")],
                            env=env, capture_output=True, text=True, timeout=60)
     assert table.returncode == 0, table.stderr
     first = table.stdout.splitlines()[:2]
@@ -379,3 +361,12 @@ def test_every_call_the_backend_makes_is_in_the_installed_binding_and_resolves_t
         assert resolved, f"pynvml.{name} resolves no C function"
         for symbol in resolved:
             assert hasattr(lib, symbol), f"pynvml.{name} calls {symbol}, which the nvml.h-checked stand-in lacks"
+
+
+def test_inspect_names_a_state_dir_that_is_not_one(tmp_path: Path) -> None:
+    n = StandinNode(tmp_path / "node.json")
+    (tmp_path / "file").touch()
+    run = subprocess.run([sys.executable, "-m", "plugin", "inspect", "--state-dir", str(tmp_path / "file")],
+                         env=standin.env_for_subprocess(n.path), capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr == f"gpu-health-plugin inspect: --state-dir {tmp_path / 'file'}: not a directory\n"
