@@ -23,13 +23,14 @@ from plugin.kubelet.sharing import build_resources
 from plugin.kubelet.supervisor import Supervisor
 from plugin.outlets.health_api import HealthServer
 from plugin.sharing.model import profiles_of
-from plugin.startup import StartupError, check_paths, claim_state_dir
+from plugin.startup import StartupError, check_paths, claim_state_dir, read_boot_id
 
 # The optional outlets are imported by their factories, only when the config turns them on: an outlet that is off
 # costs no memory (tests/integration/test_startup_imports.py).
 if TYPE_CHECKING:
     from plugin.devices.nvml import NvmlBackend
     from plugin.dra.mode import DraMode
+    from plugin.health.recovery import CommandRecoveryChecker
     from plugin.nvsentinel.deviceapi import DeviceApi
     from plugin.nvsentinel.sender import HealthEventSender
     from plugin.outlets.correlation import Correlator, Resource
@@ -119,6 +120,25 @@ def make_correlator(cfg: Config, state: NodeState, resources: Sequence[Resource]
     return Correlator(state, settings, PodResourcesClient(cfg.pod_resources_socket), lambda: KubeClient(kubeconfig))
 
 
+def make_recovery_checker(cfg: Config, state: NodeState, resources: Sequence[Resource], stop: threading.Event,
+                          wake: Callable[[], None]) -> CommandRecoveryChecker | None:
+    """The recovery check the config asks for, or None without --recovery-check. Never on a GPU a workload holds:
+    the pods the kubelet's PodResources API lists, or in DRA mode the claims the driver has prepared."""
+    if not cfg.recovery_check:
+        return None
+    from plugin.health.recovery import CommandRecoveryChecker
+    busy: Callable[[Gpu], str]
+    if cfg.mode == "dra":
+        from plugin.dra.holders import PreparedClaimHolders
+        busy = PreparedClaimHolders(cfg.state_dir)
+    else:
+        from plugin.outlets.holders import PodResourcesHolders
+        busy = PodResourcesHolders(cfg.pod_resources_socket, resources, state.snapshot)
+    # The lock in the state dir keeps one check at a time on the node even while two instances share it (handover).
+    return CommandRecoveryChecker(cfg.recovery_check, cfg.recovery_check_timeout, busy, wake, stop,
+                                  lock_file=cfg.state_dir / "recovery-check.lock")
+
+
 def make_dra(cfg: Config, state: NodeState, alloc: AllocationConfig, clock: Callable[[], float]) -> DraMode:
     from plugin.dra.mode import DraMode, DraSettings
     from plugin.kube.client import KubeClient
@@ -162,13 +182,18 @@ class App:
         self.state = NodeState()
         self.backend = backend if backend is not None else make_backend(cfg)
         self.store = StateStore(cfg.state_dir)
-        self.monitor = Monitor(self.backend, self.state, cfg.health, cfg.poll_interval, self.stop, self.store,
-                               stall_s=cfg.stall_threshold)
-        alloc = AllocationConfig(dev_root=cfg.dev_root, cdi=cfg.cdi,
-                                 allow_unhealthy=cfg.allow_unhealthy_allocation)
         # One server per resource; MIG profiles (strategy mixed) are read once at discovery, like the topology.
         self.resources = () if cfg.mode == "dra" else build_resources(
             cfg.resource_name, cfg.mig_strategy, cfg.sharing, profiles_of(self.backend.discover().gpus))
+        # The recovery check (--recovery-check) a latched or held fault must pass to clear; None when off. It wakes
+        # the monitor (built next) when a result is ready.
+        self.recovery = make_recovery_checker(cfg, self.state, self.resources, self.stop,
+                                              lambda: self.monitor.request_poll())
+        self.monitor = Monitor(self.backend, self.state, cfg.health, cfg.poll_interval, self.stop, self.store,
+                               stall_s=cfg.stall_threshold, recovery=self.recovery,
+                               boot_id=read_boot_id(cfg.boot_id_file, cfg.name_of("boot_id_file")))
+        alloc = AllocationConfig(dev_root=cfg.dev_root, cdi=cfg.cdi,
+                                 allow_unhealthy=cfg.allow_unhealthy_allocation)
         # The kubelet side: the device-plugin supervisor, or in DRA mode the DRA driver with its ResourceSlice.
         # Never both: one mode per node, so a GPU is never offered twice.
         self.supervisor: Supervisor | None = None
@@ -182,7 +207,8 @@ class App:
         self.kube_reporter = make_reporter(cfg, self.state)
         self.health_server = HealthServer(
             cfg.health_socket_path, self.state,
-            outlet_errors=self.kube_reporter.outlet_errors if self.kube_reporter is not None else dict)
+            outlet_errors=self.kube_reporter.outlet_errors if self.kube_reporter is not None else dict,
+            clearer=self.monitor)  # the operator's `gpu-health-plugin clear`: the monitor owns the latches
         # Health events to NVSentinel; None without --nvsentinel-socket.
         self.nvsentinel = make_nvsentinel_sender(cfg, self.state)
         # Pods on failing devices (PodResources -> Events, annotations, evictions); None with --correlate-on none.
@@ -275,6 +301,8 @@ class App:
             self.metrics_server.stop()
         if self.active:
             self.health_server.stop(grace_s=0.2)
+        if self.recovery is not None:
+            self.recovery.join(0.5)  # the stop has killed a running check; no result is taken from it
         self.monitor.join(max(0.1, deadline - time.monotonic()))
         self.backend.close()
 

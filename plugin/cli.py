@@ -1,4 +1,5 @@
-"""Command line: ``run`` (the default), ``demo``, ``status``, ``watch``, ``inspect`` and ``simulated-node``."""
+"""Command line: ``run`` (the default), ``demo``, ``status``, ``watch``, ``clear``, ``inspect`` and
+``simulated-node``."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from plugin import config as config_mod
 from plugin.options.flags import add_arguments
 from plugin.options.sources import config_path
 
-SUBCOMMANDS = ("run", "demo", "status", "watch", "inspect", "simulated-node")
+SUBCOMMANDS = ("run", "demo", "status", "watch", "clear", "inspect", "simulated-node")
 EXIT_CONFIG = 2
 
 
@@ -35,6 +36,26 @@ def _health_socket_arg(p: argparse.ArgumentParser) -> None:
                         f"says otherwise (env {state.env}; default {state.default})")
     p.add_argument("--output", "-o", choices=("table", "json"), default="table",
                    help="output format: %(choices)s (default %(default)s)")
+
+
+def _note(v: str) -> str:
+    """--note, checked as the server checks it, so a bad one is exit 2 before anything is dialled."""
+    from plugin.outlets.health_api import BadClear, check_note
+
+    try:
+        return check_note(v)
+    except BadClear as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _code(v: str) -> str:
+    """--reason: a reason code as written; whether the device has it, the plugin says."""
+    from plugin.outlets.health_api import BadClear, check_code
+
+    try:
+        return check_code(v)
+    except BadClear as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _seconds(v: str) -> float:
@@ -78,6 +99,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="resume after this sequence number (default 0: from now)")
     watch.add_argument("--count", type=_non_negative, default=0, metavar="N",
                        help="exit after this many transitions (default 0: never)")
+    clear = sub.add_parser("clear", help="take a fixed fault off a device (or every device) of a running plugin",
+                           description="Clear latched or held faults once the cause is fixed. Refused, with the "
+                                       "reason, while the condition is still present (a polled fault still seen, a "
+                                       "lost GPU still lost). The note goes into the history and the Event.")
+    clear.add_argument("device", nargs="?", default=None, metavar="DEVICE",
+                       help="a GPU UUID, a MIG device UUID or a GPU index (as `status` shows them)")
+    clear.add_argument("--all", action="store_true", help="every device instead of one")
+    clear.add_argument("--reason", type=_code, default=None, metavar="CODE",
+                       help="clear only this reason code, e.g. xid-79 (default: every clearable reason)")
+    clear.add_argument("--note", type=_note, required=True, metavar="TEXT",
+                       help="why it is cleared (what was fixed, a ticket): one line, at most 256 characters")
+    _health_socket_arg(clear)
+    clear.set_defaults(clear_parser=clear)  # for the one check argparse cannot make: DEVICE or --all
     inspect = sub.add_parser("inspect", help="print what NVML reports for each GPU and which health checks are on, "
                                               "off or unavailable, and why")
     state = config_mod.option("state_dir")
@@ -98,12 +132,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args_list or (args_list[0] not in SUBCOMMANDS and args_list[0] not in ("-h", "--help")):
         args_list.insert(0, "run")
     args = build_parser().parse_args(args_list)
+    if args.command == "clear" and (not args.device) == (not args.all):
+        args.clear_parser.error("name one DEVICE or --all" if not args.device
+                                else "DEVICE and --all: name one, not both")
     if args.command == "run":
         return _run(args)
     if args.command == "demo":
         from plugin.devtools.demo import run_demo
         return run_demo(duration_s=args.duration, plain=args.plain or not sys.stdout.isatty())
-    if args.command in ("status", "watch"):
+    if args.command in ("status", "watch", "clear"):
         try:
             rc = _client(args)
             sys.stdout.flush()  # a reader gone away is seen here, not in the interpreter's final flush
@@ -252,6 +289,20 @@ def _reasons(rs: Any) -> list[dict[str, str]]:
     return [{"code": r.code, "message": r.message, "action": r.action} for r in rs]
 
 
+def _transition_json(t: Any) -> dict[str, Any]:
+    doc = {"seq": t.seq, "id": t.id, "from": t.from_state, "to": t.to_state, "reasons": _reasons(t.reasons),
+           "time": _ts(t.time)}
+    if t.note:  # only a clearance's transition has one, as in the state file's history
+        doc["note"] = t.note
+    return doc
+
+
+def _transition_line(t: Any) -> str:
+    why = "; ".join(f"{r.code}: {r.message}" for r in t.reasons) or "-"
+    line = f"#{t.seq} {_ts(t.time)} {t.id} {t.from_state} -> {t.to_state}  {why}"
+    return f"{line}  [{t.note}]" if t.note else line
+
+
 def _client(args: argparse.Namespace) -> int:
     import grpc
 
@@ -267,6 +318,8 @@ def _client(args: argparse.Namespace) -> int:
         return 1
     with grpc.insecure_channel(f"unix://{path}") as ch:
         stub = health_pb2_grpc.DeviceHealthStub(ch)
+        if args.command == "clear":
+            return _clear(stub, args, path)
         try:
             # List first, for both commands: it answers at once, so "nothing listens on the socket" (a plugin that
             # died without removing it) is an error now rather than a watch that waits forever.
@@ -289,11 +342,9 @@ def _client(args: argparse.Namespace) -> int:
                     continue
                 t = ev.transition
                 if args.output == "json":
-                    print(json.dumps({"seq": t.seq, "id": t.id, "from": t.from_state, "to": t.to_state,
-                                      "reasons": _reasons(t.reasons), "time": _ts(t.time)}), flush=True)
+                    print(json.dumps(_transition_json(t)), flush=True)
                 else:
-                    why = "; ".join(f"{r.code}: {r.message}" for r in t.reasons) or "-"
-                    print(f"#{t.seq} {_ts(t.time)} {t.id} {t.from_state} -> {t.to_state}  {why}", flush=True)
+                    print(_transition_line(t), flush=True)
                 seen += 1
                 if args.count and seen >= args.count:
                     return 0
@@ -309,10 +360,51 @@ def _client(args: argparse.Namespace) -> int:
     return 1
 
 
+def _clear(stub: Any, args: argparse.Namespace, path: Path) -> int:
+    import grpc
+
+    from api.gpuhealth.v1alpha1 import health_pb2
+
+    req = health_pb2.ClearRequest(device=args.device or "", all=args.all, reason=args.reason or "", note=args.note)
+    try:
+        resp = stub.Clear(req, timeout=30)
+    except grpc.RpcError as exc:
+        code = exc.code()
+        if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND,
+                    grpc.StatusCode.INVALID_ARGUMENT):
+            # The plugin's own one line: refused while the condition is present, or a device or reason it lacks.
+            print(f"gpu-health-plugin clear: {exc.details()}", file=sys.stderr)
+        elif code is grpc.StatusCode.UNIMPLEMENTED:
+            print(f"gpu-health-plugin clear: the plugin at {path} does not serve clear ({exc.details()})",
+                  file=sys.stderr)
+        else:
+            print(f"gpu-health-plugin: cannot reach the plugin at {path}: {code.name}: {exc.details()} "
+                  "(is it running?)", file=sys.stderr)
+        return 1
+    if args.output == "json":
+        print(json.dumps({"cleared": [{"id": c.id, "code": c.code} for c in resp.cleared]}))
+        return 0
+    for c in resp.cleared:
+        print(f"cleared {c.code} on {c.id}")
+    if not resp.cleared:
+        # Not an error: what the operator wanted gone is gone (a second clear, or a fault that expired meanwhile).
+        print(f"gpu-health-plugin clear: nothing to clear on {'any device' if args.all else args.device}",
+              file=sys.stderr)
+    return 0
+
+
+def _cleared_json(d: Any) -> dict[str, str]:
+    return {"text": d.cleared, "at": _ts(d.cleared_at)}
+
+
 def _print_status(resp: Any, output: str) -> None:
     if output == "json":
-        devices = [{"id": d.id, "state": d.state, "reasons": _reasons(d.reasons), "since": _ts(d.since)}
-                   for d in resp.devices]
+        devices = []
+        for d in resp.devices:
+            doc = {"id": d.id, "state": d.state, "reasons": _reasons(d.reasons), "since": _ts(d.since)}
+            if d.cleared:  # the latest clearance, while it is recent
+                doc["cleared"] = _cleared_json(d)
+            devices.append(doc)
         print(json.dumps({"devices": devices}, indent=2))
         return
     rows = [("ID", "IDX", "STATE", "KUBELET", "SINCE", "REASONS")]
@@ -320,5 +412,8 @@ def _print_status(resp: Any, output: str) -> None:
         why = "; ".join(f"{r.code} ({r.action})" for r in d.reasons) or "-"
         rows.append((d.id, str(d.index), d.state, d.kubelet_health, _ts(d.since), why))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    for r in rows:
+    for r, d in zip(rows, [None, *resp.devices], strict=True):
         print("  ".join(c.ljust(w) for c, w in zip(r[:5], widths, strict=False)) + "  " + r[5])
+        if d is not None and d.cleared:
+            # Under its device, indented: the columns stay what a script cuts, the clearance stays readable.
+            print(f"    {d.cleared} at {_ts(d.cleared_at)}")

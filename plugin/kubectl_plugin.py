@@ -6,6 +6,8 @@ does for kubectl. ``--from-file`` reads a saved node list instead (``kubectl get
 
 ``kubectl gpu-health fleet`` (``fleet`` as the first word) is the fleet controller's view instead: the nodes it
 quarantined and its circuit breaker, from the nodes and its Lease (plugin/controller/fleetview.py).
+``kubectl gpu-health fleet release NODE --note TEXT`` asks the controller to release a repeat offender (the
+``controller.<prefix>/release`` annotation, docs/fleet.md "Repeat offenders").
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from plugin.controller import fleetview
-from plugin.controller.nodes import CONTROLLER
+from plugin.controller.nodes import CONTROLLER, Keys
 from plugin.health.reasons import State
 from plugin.kube.names import DEFAULT_PREFIX
 from plugin.schema.annotations import DeviceEntry, decode
@@ -54,7 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
 def build_fleet_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kubectl gpu-health fleet",
                                 description="Nodes the fleet controller quarantined, why and since when, and its "
-                                            "circuit breaker, from the nodes and the controller's Lease.")
+                                            "circuit breaker, from the nodes and the controller's Lease.",
+                                epilog="kubectl gpu-health fleet release NODE --note TEXT: release a repeat "
+                                       "offender (see kubectl gpu-health fleet release --help).")
     p.add_argument("--namespace", default=fleetview.DEFAULT_NAMESPACE,
                    help=f"namespace of the controller's Lease (default {fleetview.DEFAULT_NAMESPACE})")
     p.add_argument("--lease", default=fleetview.DEFAULT_LEASE,
@@ -72,6 +76,24 @@ def build_fleet_parser() -> argparse.ArgumentParser:
     p.add_argument("--lease-file", type=Path, default=None, metavar="FILE",
                    help="read the Lease (kubectl get lease -n NS NAME -o json) from FILE ('-' for stdin) instead; "
                         "an empty file is a missing Lease")
+    return p
+
+
+def build_release_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kubectl gpu-health fleet release",
+                                description="Ask the fleet controller to release a node it holds as a repeat "
+                                            "offender, and to reset the node's quarantine count: it annotates the "
+                                            "node (controller.<prefix>/release=NOTE); the controller releases it "
+                                            "once it has been fit for the recovery hold and removes the annotation. "
+                                            "On a node it does not hold, the count is reset at once.")
+    p.add_argument("node", metavar="NODE", help="the node's name")
+    p.add_argument("--note", required=True, metavar="TEXT",
+                   help="why (one line, kept in the annotation, the controller's log and its Event)")
+    p.add_argument("--prefix", default=os.environ.get("GPU_HEALTH_ANNOTATION_PREFIX", DEFAULT_PREFIX),
+                   help=f"annotation prefix of the plugin and the controller (default {DEFAULT_PREFIX})")
+    p.add_argument("--kubeconfig", default=None, help="passed to kubectl")
+    p.add_argument("--context", default=None, help="passed to kubectl")
+    p.add_argument("--kubectl", default=os.environ.get("KUBECTL", "kubectl"), help="kubectl to run (env KUBECTL)")
     return p
 
 
@@ -159,10 +181,20 @@ def collect(nodes: list[dict[str, Any]], prefix: str, node_globs: Sequence[str],
 
 
 def _reasons(e: DeviceEntry) -> str:
-    if not e.reasons:
-        return "-"
-    return "; ".join(f"{r.get('code', '?')}: {r['message']}" if r.get("message") else r.get("code", "?")
-                     for r in e.reasons)
+    text = "; ".join(f"{r.get('code', '?')}: {r['message']}" if r.get("message") else r.get("code", "?")
+                     for r in e.reasons) or "-"
+    if e.cleared is not None:
+        # Last in the row: the columns a script cuts stay where they were, and a Healthy device says why it is.
+        text += f" [{e.cleared.text}{f' at {e.cleared.at}' if e.cleared.at else ''}]"
+    return text
+
+
+def _entry_json(e: DeviceEntry) -> dict[str, Any]:
+    doc: dict[str, Any] = {"node": e.node, "device": e.key, "id": e.id, "state": e.state, "action": e.action,
+                           "since": e.since, "lastTransition": e.last_transition, "reasons": list(e.reasons)}
+    if e.cleared is not None:
+        doc["cleared"] = {"codes": list(e.cleared.codes), "why": e.cleared.why, "at": e.cleared.at}
+    return doc
 
 
 def render_table(entries: list[DeviceEntry]) -> str:
@@ -204,7 +236,36 @@ def _lease(args: argparse.Namespace) -> tuple[dict[str, Any] | None, str | None]
     return doc, None
 
 
+def fleet_release_main(argv: Sequence[str]) -> int:
+    args = build_release_parser().parse_args(argv)
+    try:
+        try:
+            prefix = check_prefix(args.prefix)
+        except ValueError as exc:
+            raise ValueError(f"--prefix: {exc}") from None
+        if not is_dns_subdomain(args.node):
+            raise ValueError(f"NODE: expected a node name (a lower-case DNS subdomain), got {args.node!r}")
+        note = " ".join(args.note.split())
+        if not note:
+            raise ValueError("--note: must not be empty: say why the node may come back")
+        key = Keys(prefix).release
+        # --overwrite: a request already there (not yet acted on) is replaced, not refused.
+        out = _kubectl(args, ["annotate", "node", args.node, f"{key}={note}", "--overwrite"], "annotate node")
+    except ValueError as exc:
+        print(f"kubectl gpu-health fleet release: {exc}", file=sys.stderr)
+        return 2
+    except (RuntimeError, OSError) as exc:
+        print(f"kubectl gpu-health fleet release: {exc}", file=sys.stderr)
+        return 1
+    print(out.strip())
+    print(f"release requested: {CONTROLLER} releases {args.node} once it has been fit for its recovery hold (at "
+          f"once if it is not quarantined) and resets its quarantine count; see kubectl gpu-health fleet")
+    return 0
+
+
 def fleet_main(argv: Sequence[str]) -> int:
+    if list(argv[:1]) == ["release"]:
+        return fleet_release_main(argv[1:])
     args = build_fleet_parser().parse_args(argv)
     try:
         prefix = check_prefix(args.prefix)
@@ -235,6 +296,10 @@ def fleet_main(argv: Sequence[str]) -> int:
     print()
     if view.rows:
         print(fleetview.render_table(view.rows))
+        if view.repeat_offenders:
+            print(f"\n{view.repeat_offenders} repeat offender{'' if view.repeat_offenders == 1 else 's'}, held until "
+                  f"an operator releases {'it' if view.repeat_offenders == 1 else 'them'}: kubectl gpu-health fleet "
+                  f"release NODE --note TEXT (or {fleetview.release_command('NODE', prefix, flags)})")
     else:
         print(f"No nodes quarantined by {CONTROLLER}{' and no candidates' if args.all else ''}.")
     return 0
@@ -253,10 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kubectl gpu-health: {exc}", file=sys.stderr)
         return 1
     if args.output == "json":
-        print(json.dumps({"devices": [{"node": e.node, "device": e.key, "id": e.id, "state": e.state,
-                                       "action": e.action, "since": e.since, "lastTransition": e.last_transition,
-                                       "reasons": list(e.reasons)} for e in entries],
-                          "nodesWithoutData": silent}, indent=2))
+        print(json.dumps({"devices": [_entry_json(e) for e in entries], "nodesWithoutData": silent}, indent=2))
         return 0
     if entries:
         print(render_table(entries))

@@ -165,6 +165,19 @@ def check_paths(cfg: Config) -> None:
             raise _problem(cfg.name_of("kubeconfig"), cfg.kubeconfig, "cannot read it", exc) from None
 
 
+def read_boot_id(path: Path, label: str) -> str:
+    """The node's boot id: latches are recorded under it, and one from another boot is what a reboot clears. A file
+    that cannot be read or is empty is a start-up error: without it a reboot could not be told from a restart."""
+    try:
+        boot_id = path.read_text(encoding="utf-8", errors="replace").strip()
+    except OSError as exc:
+        raise _problem(label, path, "cannot read the boot id", exc) from None
+    if not boot_id or len(boot_id) > 128 or not boot_id.isprintable():
+        raise StartupError(f"{label} {path}: holds no boot id (expected one line such as the kernel's "
+                           "/proc/sys/kernel/random/boot_id)")
+    return boot_id
+
+
 def claim_state_dir(cfg: Config) -> InstanceLock:
     """Make the state dir usable and take its lock: first, before anything reads state.json or binds a socket.
     With ``--handover`` a lock held by another instance comes back not held (the caller waits for it)."""

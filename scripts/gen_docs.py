@@ -32,13 +32,29 @@ sys.path.insert(0, str(REPO))
 
 from plugin import config as config_mod  # noqa: E402
 from plugin.health.config import HealthConfig, parse_health  # noqa: E402
-from plugin.health.reasons import REASONS  # noqa: E402
+from plugin.health.reasons import CLEARS, REASONS, Clear  # noqa: E402
 from plugin.sharing.config import parse_sharing  # noqa: E402
 from scripts import gen_chart_schema  # noqa: E402
 from scripts.file_keys import HEALTH_KEYS, SHARING_KEYS, DocsError, Key  # noqa: E402
 
 CONFIG_MD = REPO / "docs" / "config.md"
 REASONS_MD = REPO / "docs" / "reasons.md"
+
+CLEAR_TEXT = {
+    Clear.GONE: "the GPU stops showing it for `clearAfterPolls` polls in a row (a rate reason also waits out "
+                "`rateHoldSeconds`)",
+    Clear.HOLD: "its hold time passes with no new event (`latchHoldSeconds` for its state: `Degraded` 24 h, "
+                "`Unhealthy` never by default; the flap back-off)",
+    Clear.RESET: "a GPU reset or driver reload, seen by the plugin while it runs: a lost GPU answers again, the "
+                 "driver's reset request returns to none, or the GPU leaves NVML and comes back",
+    Clear.REBOOT: "a node reboot: at start the plugin finds another boot id (`--boot-id-file`) than the one the "
+                  "reason was recorded under, and the GPU reads clean (not lost, nothing asking for a reset or a "
+                  "reboot); a plugin restart without a reboot clears nothing",
+    Clear.OPERATOR: "`gpu-health-plugin clear` against the running plugin, refused while the condition is still "
+                    "present",
+    Clear.CHECK: "the recovery check (`--recovery-check`) passes",
+    Clear.NEVER: "nothing: the GPU keeps reporting it until it is replaced",
+}
 FLEET_CONFIG_MD = REPO / "docs" / "fleet-config.md"
 NVSENTINEL_MD = REPO / "docs" / "nvsentinel.md"
 MAPPING_BEGIN = "<!-- BEGIN generated mapping: scripts/gen_docs.py from plugin/nvsentinel/healthevents.py -->"
@@ -201,9 +217,18 @@ def render_reasons() -> str:
              "hyphenated and do not change meaning between releases; `<n>` stands for an XID number. The "
              "severity is the default: the config file's `health.overrides` changes it "
              "([config.md](config.md)).", "",
-             "| Code | Severity | Action | Source | Meaning |", "|---|---|---|---|---|"]
+             "This table is the runbook: for each reason what it means, what to do, and exactly what takes it off "
+             "the device (the **Clears** column; `tests/unit/test_reason_clears.py` drives every row through the "
+             "tracker and holds it to this column):", "",
+             *(f"- `{c}`: {CLEAR_TEXT[c]}" for c in CLEARS), "",
+             "A replaced GPU (a new UUID at the same PCI address) starts clean whatever its predecessor had; the old "
+             "UUID's record stays in the state dir's history. How to run `clear` on a node: "
+             "[operations.md](operations.md#clearing-a-fault-by-hand).", "",
+             "| Code | Severity | Action | Source | Meaning | What to do | Clears |", "|---|---|---|---|---|---|---|"]
     for r in REASONS:
-        lines.append(f"| `{r.code}` | {r.severity.value} | `{r.action}` | {r.source} | {_cell(r.description)} |")
+        clears = ", ".join(f"`{c}`" for c in CLEARS if c in r.clears)
+        lines.append(f"| `{r.code}` | {r.severity.value} | `{r.action}` | {r.source} | {_cell(r.description)} | "
+                     f"{_cell(r.todo)} | {clears} |")
     lines += ["", "Actions: " + ", ".join(f"`{a}`" for a in _actions()) + ".", ""]
     return "\n".join(lines)
 

@@ -84,6 +84,22 @@ def _stripped(check: Callable[[str], str]) -> Callable[[Any], str]:
     return lambda v: check(str(v).strip())
 
 
+def recovery_check_command(v: Any) -> str:
+    """A recovery check command template, refused at load when it could never run (an unknown placeholder, an
+    unclosed quote): a typo found at the first fault would keep a repaired GPU out. Empty: no check."""
+    if not isinstance(v, str):
+        raise ValueError(f"expected a command (a string), got {v!r}")
+    s = v.strip()
+    if not s:
+        return ""
+    # Imported here: only a config that sets a check needs the checker's module (and subprocess) to be read.
+    from plugin.health.recovery import validate_template
+    error = validate_template(s)
+    if error is not None:
+        raise ValueError(error)
+    return s
+
+
 @dataclass(frozen=True)
 class Config:
     mode: str = field(default="device-plugin", metadata=spec(
@@ -98,6 +114,9 @@ class Config:
         path, "the kubelet's device-plugin directory (kubelet.sock lives here)", "DIR"))
     state_dir: Path = field(default=Path("/var/lib/gpu-health-device-plugin"), metadata=spec(
         path, "where durable health state (latched faults, transitions) is kept", "DIR"))
+    boot_id_file: Path = field(default=Path("/proc/sys/kernel/random/boot_id"), metadata=spec(
+        path, "the file holding the node's boot id; a latch set under another boot id is cleared at start if its GPU "
+        "reads clean (docs/reasons.md)", "FILE"))
     handover: bool = field(default=False, metadata=spec(
         parse_bool, "when another instance holds the state dir (a surge rollout starts the new pod first), serve "
         "the kubelet next to it and take the state dir over once it exits, instead of refusing to start"))
@@ -128,6 +147,14 @@ class Config:
     stall_threshold: float = field(default=60.0, metadata=spec(
         positive_float, "seconds a health loop may fall behind (the poller: beyond its interval) before /healthz fails",
         "SECONDS"))
+    recovery_check: str = field(default="", metadata=spec(
+        recovery_check_command, "a command that must pass before a latched or held fault clears "
+        "(docs/recovery-check.md), e.g. dcgmi diag -r 1 -i {index}: split like a shell would but never run by one, "
+        "{index}, {uuid} and {pci} replaced by the GPU's; one at a time per node, never on a GPU a pod holds; a "
+        "non-zero exit keeps the GPU out (recovery-check-failed). Empty: no check", "COMMAND"))
+    recovery_check_timeout: float = field(default=600.0, metadata=spec(
+        positive_float, "seconds a recovery check may run; past it its processes are killed and the check fails",
+        "SECONDS"))
     correlate_on: tuple[str, ...] = field(default=("Unhealthy",), metadata=spec(
         state_list, "device states that make the plugin find the pods holding the device (PodResources) and post "
         "Events on them; comma-separated, or none", "STATES"))
@@ -148,7 +175,7 @@ class Config:
         parse_bool, "write per-device health annotations onto this node"))
     annotation_prefix: str = field(default="gpu-health.io", metadata=spec(
         _stripped(check_prefix), "DNS subdomain our annotation keys live under (the admission policy allows "
-        "gpu-health.io)", "DOMAIN"))
+        "the one the chart's plugin.annotationPrefix names; gpu-health.io in manifests/)", "DOMAIN"))
     annotation_max_bytes: int = field(default=65536, metadata=spec(
         positive_int, "cap on the size of our annotations; beyond it device entries are dropped, worst kept, and a "
         "truncation marker is written", "BYTES"))

@@ -240,6 +240,12 @@ class ControllerConfig:
     recovery_hold_s: float = field(default=600.0, metadata=spec(
         Duration(positive=False), "how long a quarantined node must be healthy before the controller releases it",
         "DURATION", flag="--recovery-hold", key="release.recoveryHold"))
+    repeat_limit: int = field(default=5, metadata=spec(
+        count, "a node quarantined this many times within the repeat window stays quarantined (reason "
+        "repeat-offender) until an operator releases it; 0 turns the count off", "N", key="release.repeatLimit"))
+    repeat_window_s: float = field(default=7 * 86400.0, metadata=spec(
+        Duration(positive=True), "how far back a node's quarantines count towards the repeat limit (168h: a week)",
+        "DURATION", flag="--repeat-window", key="release.repeatWindow"))
     max_quarantined_fraction: float = field(default=0.1, metadata=spec(
         open_fraction, "most of the GPU nodes (above 0, at most 1) the controller keeps quarantined; at least one "
         "node when there is one; a quarantine beyond it opens the circuit breaker", "FRACTION",

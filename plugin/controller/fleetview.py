@@ -16,6 +16,7 @@ from typing import Any
 
 from plugin.controller.config import ControllerConfig
 from plugin.controller.nodes import CONTROLLER, Keys, gpu_count
+from plugin.controller.repeat import REPEAT_OFFENDER, format_history, parse_history
 from plugin.health.reasons import State
 from plugin.kube.names import DEFAULT_PREFIX
 
@@ -47,6 +48,14 @@ class Row:
     owns: tuple[str, ...] = ()
     message: str = ""
     taints: tuple[str, ...] = ()  # effects of our taint on the node
+    # The quarantine times the controller recorded (its quarantine-history, pruned to its repeat window when it
+    # last quarantined the node), and an operator's release request (its value; None: none).
+    history: tuple[str, ...] = ()
+    release_requested: str | None = None
+
+    @property
+    def repeat_offender(self) -> bool:
+        return self.status is Status.QUARANTINED and self.reason == REPEAT_OFFENDER
 
 
 @dataclass(frozen=True)
@@ -66,6 +75,7 @@ class Fleet:
     gpu_nodes: int
     quarantined: int
     rows: tuple[Row, ...]
+    repeat_offenders: int
     breaker: Breaker
     namespace: str
     lease_name: str
@@ -124,6 +134,16 @@ def _owns(v: Any) -> tuple[str, ...]:
     return tuple(x.strip() for x in str(v).split(",") if x.strip()) if v is not None else ()
 
 
+def _history(ann: Mapping[str, Any], prefix: str) -> tuple[str, ...]:
+    times = parse_history(ann.get(Keys(prefix).history))
+    return tuple(format_history(times).split(",")) if times else ()
+
+
+def _release_requested(ann: Mapping[str, Any], prefix: str) -> str | None:
+    key = Keys(prefix).release
+    return _one_line(ann[key]) if key in ann else None
+
+
 def _row(node: Mapping[str, Any], prefix: str, include_candidates: bool) -> Row | None:
     ann = _annotations(node)
     name = _name(node)
@@ -132,13 +152,14 @@ def _row(node: Mapping[str, Any], prefix: str, include_candidates: bool) -> Row 
     if ann.get(Keys(prefix).by) == CONTROLLER:
         reason = ann.get(Keys(prefix).reason) or next((t.get("value") for t in taints if t.get("value")), "")
         return Row(name, Status.QUARANTINED, _one_line(reason), _one_line(ann.get(Keys(prefix).at)) or None,
-                   _owns(ann.get(Keys(prefix).owns)), _one_line(ann.get(Keys(prefix).message)), effects)
+                   _owns(ann.get(Keys(prefix).owns)), _one_line(ann.get(Keys(prefix).message)), effects,
+                   _history(ann, prefix), _release_requested(ann, prefix))
     if taints:
         reason = next((t.get("value") for t in taints if t.get("value")), "")
         # Only a NoExecute taint carries timeAdded; it is the best "since" such a node has.
         added = next((t.get("timeAdded") for t in taints if t.get("timeAdded")), None)
         return Row(name, Status.TAINT_ONLY, _one_line(reason), _one_line(added) or None, (),
-                   TAINT_ONLY_MESSAGE, effects)
+                   TAINT_ONLY_MESSAGE, effects, _history(ann, prefix), _release_requested(ann, prefix))
     if not include_candidates or not is_gpu_node(node, prefix):
         return None
     state = ann.get(Keys(prefix).state)
@@ -146,13 +167,14 @@ def _row(node: Mapping[str, Any], prefix: str, include_candidates: bool) -> Row 
         if state == State.HEALTHY.value:
             return None
         return Row(name, Status.CANDIDATE, _one_line(state), None,
-                   message=_one_line(ann.get(Keys(prefix).summary)))
+                   message=_one_line(ann.get(Keys(prefix).summary)), history=_history(ann, prefix))
     # Without our annotations the stock plugin's signal is all there is, as for the controller's capacity-gap rule.
     gap = capacity_gap(node)
     if gap > 0:
         total = gpu_count(_status_section(node, "capacity"))
         return Row(name, Status.CANDIDATE, "capacity-gap", None,
-                   message=f"{gap} of {total} GPUs not allocatable (capacity minus allocatable)")
+                   message=f"{gap} of {total} GPUs not allocatable (capacity minus allocatable)",
+                   history=_history(ann, prefix))
     return None
 
 
@@ -236,6 +258,13 @@ def reset_command(namespace: str, name: str, prefix: str = DEFAULT_PREFIX,
             f'{Keys(prefix).breaker_reset}="$(date +%s)" --overwrite{flags}')
 
 
+def release_command(node: str, prefix: str = DEFAULT_PREFIX, kubectl_flags: Sequence[str] = ()) -> str:
+    """What an operator runs to release a repeat offender (and reset its count): the request annotation, which the
+    controller removes when it acts on it. ``kubectl gpu-health fleet release NODE --note TEXT`` writes the same."""
+    flags = "".join(" " + shlex.quote(f) for f in kubectl_flags)
+    return f"kubectl annotate node {shlex.quote(node)} {Keys(prefix).release}=\"<why>\" --overwrite{flags}"
+
+
 def _lease_spec(lease: Mapping[str, Any] | None, key: str) -> str | None:
     spec = lease.get("spec") if lease is not None else None
     v = spec.get(key) if isinstance(spec, Mapping) else None
@@ -251,6 +280,7 @@ def fleet(nodes: Sequence[Mapping[str, Any]], lease: Mapping[str, Any] | None, *
         gpu_nodes=sum(1 for n in nodes if counted(n, prefix)),
         quarantined=sum(1 for r in all_rows if r.status is Status.QUARANTINED),
         rows=tuple(all_rows),
+        repeat_offenders=sum(1 for r in all_rows if r.repeat_offender),
         breaker=breaker_of(lease, namespace, lease_name, prefix, lease_unavailable),
         namespace=namespace, lease_name=lease_name, lease_found=lease is not None,
         holder=_lease_spec(lease, "holderIdentity"), renew_time=_lease_spec(lease, "renewTime"),
@@ -284,8 +314,10 @@ def header(f: Fleet) -> str:
         of = b.gpu_nodes if b.gpu_nodes else f.gpu_nodes
         share.append(f"limit {_percent(b.limit, of)} = {b.limit}" if of else f"limit {b.limit}")
     shares = f" ({', '.join(share)})" if share else ""
-    line = (f"GPU nodes: {f.gpu_nodes}, quarantined by {CONTROLLER}: {f.quarantined}{shares}, "
-            f"breaker: {_breaker_text(f)}")
+    line = f"GPU nodes: {f.gpu_nodes}, quarantined by {CONTROLLER}: {f.quarantined}{shares}, "
+    if f.repeat_offenders:
+        line += f"repeat offenders: {f.repeat_offenders}, "
+    line += f"breaker: {_breaker_text(f)}"
     if f.lease_found:
         line += f", leader: {f.holder or 'none'}"
     return line
@@ -296,10 +328,19 @@ def breaker_reason(f: Fleet) -> str | None:
     return f.breaker.reason or None
 
 
+def _message(r: Row) -> str:
+    if r.release_requested is None:
+        return r.message or "-"
+    # The request comes first: it is what the operator did, and what the controller will act on once it is fit.
+    return f"release requested ({r.release_requested or 'no note'}); {r.message or '-'}"
+
+
 def render_table(table_rows: Sequence[Row]) -> str:
-    head = ("NODE", "REASON", "SINCE", "OWNS", "MESSAGE")
+    """COUNT: the quarantines the controller recorded within its repeat window (``-``: none recorded)."""
+    head = ("NODE", "REASON", "SINCE", "COUNT", "OWNS", "MESSAGE")
     cells = [head] + [(r.node, f"candidate: {r.reason}" if r.status is Status.CANDIDATE else r.reason or "-",
-                       r.since or "-", ",".join(r.owns) or "-", r.message or "-") for r in table_rows]
+                       r.since or "-", str(len(r.history)) if r.history else "-", ",".join(r.owns) or "-",
+                       _message(r)) for r in table_rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(head) - 1)]
     return "\n".join("   ".join(c.ljust(w) for c, w in zip(row[:-1], widths, strict=True)) + "   " + row[-1]
                      for row in cells)
@@ -316,6 +357,9 @@ def to_json(f: Fleet) -> dict[str, Any]:
         "breaker": {"state": b.state.value, "since": b.since, "limit": b.limit, "gpuNodes": b.gpu_nodes,
                     "quarantined": b.quarantined, "blocked": b.blocked, "reason": b.reason, "detail": b.detail},
         "reset": f.reset_command,
+        "repeatOffenders": f.repeat_offenders,
         "nodes": [{"node": r.node, "status": r.status.value, "reason": r.reason, "since": r.since,
-                   "owns": list(r.owns), "message": r.message, "taints": list(r.taints)} for r in f.rows],
+                   "owns": list(r.owns), "message": r.message, "taints": list(r.taints),
+                   "quarantines": len(r.history), "quarantineHistory": list(r.history),
+                   "repeatOffender": r.repeat_offender, "releaseRequested": r.release_requested} for r in f.rows],
     }

@@ -97,6 +97,18 @@ class Keys:
         return f"{self.owner}/quarantine-label"
 
     @property
+    def history(self) -> str:
+        """The times of the node's recent quarantines (plugin/controller/repeat.py): kept through a release, unlike
+        the rest of the record, so that a repeat offender can be told."""
+        return f"{self.owner}/quarantine-history"
+
+    @property
+    def release(self) -> str:
+        """An operator's request to release a repeat offender (any value; the controller removes it when it acts
+        on it) and to reset the node's quarantine count."""
+        return f"{self.owner}/release"
+
+    @property
     def breaker(self) -> str:
         return f"{self.prefix}/breaker"
 
@@ -110,7 +122,8 @@ class Keys:
         return f"{self.prefix}/quarantined-out-of-sight"
 
     def ours(self) -> tuple[str, ...]:
-        """The Node annotations a quarantine writes, and its release removes (all under :attr:`owner`)."""
+        """The Node annotations a quarantine writes, and its release removes (all under :attr:`owner`). Not the
+        history, which outlives the release, nor the operator's release request."""
         return (self.by, self.reason, self.message, self.at, self.owns, self.drained, self.label)
 
 
@@ -173,6 +186,11 @@ class NodeFacts:
     labels: tuple[str | NameLabel, ...]
     quarantine: Quarantine | None  # ours, when our own-prefix quarantined-by names this controller
     foreign_taint: bool  # our taint key present without our annotations (an operator's, or a lost record)
+    # The controller's quarantine-history annotation as written (parsed only when a quarantine needs it: most nodes
+    # have none, and a text is smaller than the times), and an operator's release request (its value, maybe empty;
+    # None: none). Both are under the controller's own prefix, where the agent cannot write.
+    history: str = ""
+    release_request: str | None = None
 
     @property
     def is_gpu_node(self) -> bool:
@@ -192,7 +210,7 @@ class NodeFacts:
         label counts: an operator's relabelling may be what lets a refused write through (an admission policy)."""
         return (self.gpu_capacity, self.gpu_allocatable, self.annotated, self.node_state, self.devices,
                 self.device_total, self.taints, self.unschedulable, self.labels, self.quarantine,
-                self.foreign_taint)
+                self.foreign_taint, self.history, self.release_request)
 
 
 def parse_time(value: object) -> float | None:
@@ -290,6 +308,8 @@ def facts_of(node: Mapping[str, Any], keys: Keys) -> NodeFacts:
         unschedulable=bool(spec.get("unschedulable")),
         labels=_labels(meta.get("labels"), name), quarantine=quarantine,
         foreign_taint=has_taint and quarantine is None,
+        history=str(annotations.get(keys.history) or ""),
+        release_request=None if keys.release not in annotations else str(annotations[keys.release]),
     )
 
 

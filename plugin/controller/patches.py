@@ -36,7 +36,9 @@ def split_label(label: str) -> tuple[str, str]:
 
 
 def quarantine(f: NodeFacts, keys: Keys, *, reason: str, message: str, now: str, cordon: bool,
-               label: str) -> dict[str, Any]:
+               label: str, history: str | None = None) -> dict[str, Any]:
+    """``history``: the node's quarantine times with this one (plugin/controller/repeat.py), written in the same
+    patch as the taint so that no quarantine goes uncounted; None leaves the annotation as it is (the count off)."""
     owns: list[str] = []
     taints = [dict(t) for t in f.taints]
     if not _has_taint(f, keys.taint, NO_SCHEDULE):
@@ -55,6 +57,8 @@ def quarantine(f: NodeFacts, keys: Keys, *, reason: str, message: str, now: str,
             owns.append(OWN_LABEL)
             annotations[keys.label] = label
     annotations[keys.owns] = ",".join(owns)
+    if history is not None:
+        annotations[keys.history] = history
     meta["annotations"] = annotations
     return {"metadata": meta, "spec": spec}
 
@@ -114,10 +118,10 @@ def disown(f: NodeFacts, keys: Keys, items: frozenset[str]) -> dict[str, Any]:
 _ORDER = (OWN_TAINT, OWN_CORDON, OWN_LABEL, OWN_NO_EXECUTE, NO_EXECUTE_REMOVED)
 
 
-def release(f: NodeFacts, keys: Keys, disowned: frozenset[str] = frozenset()) -> dict[str, Any]:
+def release(f: NodeFacts, keys: Keys, disowned: frozenset[str] = frozenset(), reset: bool = False) -> dict[str, Any]:
     """Undo our quarantine: our taints, our cordon, our label, our annotations; nothing an operator set. What to
     take back is what the record says was added (less what an operator took off since, ``disowned``), never today's
-    settings."""
+    settings. The quarantine history stays, unless ``reset`` (an operator's release request, which goes too)."""
     q = f.quarantine
     assert q is not None
     owns = q.owns - disowned
@@ -132,8 +136,17 @@ def release(f: NodeFacts, keys: Keys, disowned: frozenset[str] = frozenset()) ->
         spec["unschedulable"] = False
     meta: dict[str, Any] = {"resourceVersion": f.resource_version,
                             "annotations": dict.fromkeys(keys.ours())}
+    if reset:
+        meta["annotations"].update(dict.fromkeys((keys.history, keys.release)))
     if OWN_LABEL in owns and q.label:
         key, value = split_label(q.label)
         if f.label(key) == value:  # a value an operator put there since is theirs
             meta["labels"] = {key: None}
     return {"metadata": meta, "spec": spec}
+
+
+def reset_count(f: NodeFacts, keys: Keys) -> dict[str, Any]:
+    """An operator's release request on a node we do not hold: its quarantine count starts over, and the request is
+    used up (left there, it would release the node's next repeat-offender quarantine unasked)."""
+    return {"metadata": {"resourceVersion": f.resource_version,
+                         "annotations": dict.fromkeys((keys.history, keys.release))}}

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from plugin.backoff import Backoff
-from plugin.controller import patches
+from plugin.controller import patches, repeat
 from plugin.controller.api import ControllerApi
 from plugin.controller.breaker import Breaker, BreakerState
 from plugin.controller.nodes import (
@@ -50,6 +50,7 @@ from plugin.controller.policy import Assessment, Rules, assess
 from plugin.kube.errors import ApiFailure
 from plugin.kube.events import Involved, event_body, rfc3339
 from plugin.kube.ratelimit import TokenBucket
+from plugin.options.durations import format_duration
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,8 @@ class Settings:
     keys: Keys
     rules: Rules
     recovery_hold_s: float = 600.0
+    repeat_limit: int = 5  # 0: off
+    repeat_window_s: float = 7 * 86400.0
     no_execute_after_s: float = 0.0
     cordon: bool = False
     label: str = ""
@@ -121,6 +124,7 @@ class Entry:
     dry: Quarantine | None = None  # what --dry-run pretends it applied
     drained_logged: bool = False
     blocked_told: bool = False  # its GPUQuarantineBlocked Event went out (once while it waits)
+    held_told: bool = False  # its GPUNodeRepeatOffender Event went out (once, when it is fit but held)
     refused: frozenset[str] = frozenset()  # its pods a PodDisruptionBudget held back (429)
     # Each Node backs off on its own: other Nodes' successes say nothing about why this one's requests fail.
     backoff: Backoff = field(default_factory=lambda: Backoff(RETRY_INITIAL_S, RETRY_MAX_S))
@@ -567,6 +571,17 @@ class Reconciler:
         q = f.quarantine or e.dry
         if q is None:
             e.fit_seen = None
+            e.held_told = False
+            if f.release_request is not None and not self.s.dry_run:
+                # An operator's release request on a node we do not hold: its count starts over, and the request
+                # is used up now, not left to release its next repeat-offender quarantine unasked.
+                self._write(e, "reset-count", patches.reset_count(f, self.s.keys))
+                log.info("%s: quarantine count reset at an operator's request (%s=%r)", name, self.s.keys.release,
+                         f.release_request)
+                self._event(f, "GPUNodeQuarantineCountReset", "Normal", f"quarantine count reset at an operator's "
+                            f"request ({self.s.keys.release}={f.release_request!r})", now)
+                self._decide(name, now)  # on the record as it is now
+                return
             if a.reason is None:
                 e.blocked_told = False
                 return
@@ -622,30 +637,53 @@ class Reconciler:
         if now < due:
             self._at(due, name)
             return
+        if q.reason == repeat.REPEAT_OFFENDER and self.s.repeat_limit and f.release_request is None:
+            # Fit again, as it was after each of its earlier quarantines in the window: only an operator lets it
+            # back (with the count off, --repeat-limit 0, it is released like any other).
+            if not e.held_told:
+                e.held_told = True
+                log.info("%s: fit for %.0f min but held: a repeat offender, released only at an operator's request "
+                         "(%s)", name, (now - e.fit_seen) / 60.0, self.s.keys.release)
+                self._event(f, "GPUNodeRepeatOffender", "Warning",
+                            f"fit for {(now - e.fit_seen) / 60.0:.0f} min but held: quarantined {self.s.repeat_limit} "
+                            f"times within {format_duration(self.s.repeat_window_s)} ({q.reason}); an operator "
+                            f"releases it: {release_hint(f.name, self.s.keys)}", now)
+            return
         self._release(e, now)
 
     def _quarantine(self, e: Entry, a: Assessment, now: float) -> None:
         f = e.facts
         assert a.reason is not None
-        what = [f"taint {self.s.keys.taint}={a.reason}:NoSchedule"]
+        reason, message, history = a.reason, a.message, None
+        if self.s.repeat_limit:
+            # This quarantine's time goes into the record with it (one patch): the count on the Node is what any
+            # leader, this one after a restart included, decides from.
+            times = repeat.record(repeat.parse_history(f.history), now, self.s.repeat_window_s, self.s.repeat_limit)
+            history = repeat.format_history(times)
+            if repeat.is_repeat(times, self.s.repeat_limit):
+                reason = repeat.REPEAT_OFFENDER
+                message = (f"quarantined {len(times)} times in {format_duration(self.s.repeat_window_s)} "
+                           f"(--repeat-limit {self.s.repeat_limit}), held until an operator releases it; this time "
+                           f"{a.reason}: {a.message}")
+        what = [f"taint {self.s.keys.taint}={reason}:NoSchedule"]
         if self.s.cordon and not f.unschedulable:
             what.append("cordon")
         if self.s.label:
             what.append(f"label {self.s.label}")
         if self.s.dry_run:
-            e.dry = Quarantine(reason=a.reason, at=now, owns=frozenset(), drained=False)
+            e.dry = Quarantine(reason=reason, at=now, owns=frozenset(), drained=False)
             with self._cond:
                 self._count(f.name)
             self.stats.count(self.stats.actions, "dry-run")
             self._event(f, "GPUQuarantineDryRun", "Normal",
-                        f"would quarantine ({', '.join(what)}): {a.reason}: {a.message}", now)
-            log.info("dry run: would quarantine %s: %s: %s", f.name, a.reason, a.message)
+                        f"would quarantine ({', '.join(what)}): {reason}: {message}", now)
+            log.info("dry run: would quarantine %s: %s: %s", f.name, reason, message)
             return
-        patch = patches.quarantine(f, self.s.keys, reason=a.reason, message=a.message[:256], now=rfc3339(now),
-                                   cordon=self.s.cordon, label=self.s.label)
+        patch = patches.quarantine(f, self.s.keys, reason=reason, message=message[:256], now=rfc3339(now),
+                                   cordon=self.s.cordon, label=self.s.label, history=history)
         event = self._event_body(f, "GPUNodeQuarantined", "Warning",
-                                 f"quarantined ({', '.join(what)}): {a.reason}: {a.message}", now)
-        said = f"quarantined {f.name}: {a.reason}: {a.message}"
+                                 f"quarantined ({', '.join(what)}): {reason}: {message}", now)
+        said = f"quarantined {f.name}: {reason}: {message}"
         with self._cond:
             seen = self._seen.get(f.name)
         if self._pool is not None:
@@ -753,11 +791,15 @@ class Reconciler:
             return
         assert f.quarantine is not None
         reason = f.quarantine.reason
-        self._write(e, "release", patches.release(f, self.s.keys, e.disowned))
-        log.info("released %s (quarantined for %s, fit for %.0f min)", f.name, reason, held)
+        asked = f.release_request
+        self._write(e, "release", patches.release(f, self.s.keys, e.disowned, reset=asked is not None))
+        e.held_told = False
+        by = ("" if asked is None else
+              f"; at an operator's request ({self.s.keys.release}={asked!r}), its quarantine count reset")
+        log.info("released %s (quarantined for %s, fit for %.0f min)%s", f.name, reason, held, by)
         self._event(f, "GPUNodeReleased", "Normal",
                     f"released: fit for {held:.0f} min (recovery hold {self.s.recovery_hold_s:.0f}s); was "
-                    f"quarantined for {reason}", now)
+                    f"quarantined for {reason}{by}", now)
 
     def _must_lead(self) -> None:
         """Asked right before each write: a Lease lost since the last question (a renewal overdue while an earlier
@@ -909,6 +951,12 @@ class Reconciler:
                 if q is not None:
                     out[q.reason] = out.get(q.reason, 0) + 1
             return out
+
+
+def release_hint(node: str, keys: Keys) -> str:
+    """How an operator releases a repeat offender (docs/fleet.md, "Repeat offenders")."""
+    return (f"kubectl gpu-health fleet release {node} --note TEXT (or kubectl annotate node {node} "
+            f"{keys.release}=TEXT)")
 
 
 def _lag(seen: float | None, now: float) -> str:

@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from plugin.devices.backend import Backend
@@ -18,9 +19,12 @@ from plugin.devices.model import EventKind, Gpu, GpuEvent, Reading
 from plugin.health.config import HealthConfig
 from plugin.health.node_state import DeviceStatus, NodeState, Transition
 from plugin.health.policy import Disposition, condition
-from plugin.health.reasons import Reason, Source, State
+from plugin.health.reasons import Clear, Reason, Source, State
+from plugin.health.recovery import RecoveryChecker
 from plugin.health.store import Persister, StateStore
-from plugin.health.tracker import DeviceTracker
+from plugin.health.tracker import ClearRefused, DeviceTracker
+
+__all__ = ["ClearRefused", "Monitor"]
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +33,14 @@ class Monitor:
     def __init__(self, backend: Backend, state: NodeState, cfg: HealthConfig, poll_interval_s: float,
                  stop: threading.Event, store: StateStore | None = None,
                  clock: Callable[[], float] = time.time, event_wait_s: float = 0.25,
-                 stall_s: float | None = None) -> None:
+                 stall_s: float | None = None, boot_id: str = "",
+                 recovery: RecoveryChecker | None = None) -> None:
         self.backend = backend
+        # The node's boot: latches carry it, and one from another boot that a reboot mends clears at a clean read.
+        self.boot_id = boot_id
+        self.recovery = recovery
+        # GPUs that left NVML while this process ran: coming back is a reset (a driver reload, a GPU reset).
+        self._gone: set[str] = set()
         self.state = state
         self.cfg = cfg
         self.poll_interval_s = poll_interval_s
@@ -277,21 +287,48 @@ class Monitor:
             for uuid in list(self._trackers):
                 if uuid not in current:
                     log.warning("device %s disappeared", uuid)
+                    if self.recovery is not None:
+                        self.recovery.cancel(uuid)
                     self._shelve(self._trackers.pop(uuid))
+                    self._gone.add(uuid)
                     self._gpus.pop(uuid, None)
                     dirty = True
+            self._take_check_results()
             for gpu, reading in readings:
                 tracker = self._trackers.get(gpu.uuid)
+                back = False
                 if tracker is None:
+                    self._note_replacement(gpu)
                     tracker = self._new_tracker(gpu.uuid)
+                    back = gpu.uuid in self._gone
+                    self._gone.discard(gpu.uuid)
                     dirty = True
                 self._gpus[gpu.uuid] = gpu
                 dirty = self._sync_mig_trackers(gpu) or dirty
-                if tracker.observe_reading(reading):
+                applied = list(tracker.observe_reading(reading))
+                if back:
+                    why = "GPU reset: it left NVML and came back (a reset or driver reload)"
+                    tracker.clear_by(Clear.RESET, why, reading.time)
+                    applied.append((Clear.RESET, why))
+                for kind, why in applied:
+                    log.info("device %s: %s", gpu.uuid, why)
+                    dirty = True
+                    if kind != Clear.RESET:
+                        continue
                     for t in self._mig_trackers.values():
                         if t.device_id.startswith(gpu.uuid + "/"):
-                            t.clear_latches()
-                    dirty = True
+                            t.clear_by(kind, why, reading.time)
+                for t in self._mig_trackers.values():
+                    # A MIG device's own latches from before a reboot are judged on its GPU's read, like the GPU's.
+                    if t.device_id.startswith(gpu.uuid + "/") and t.judge_reboot(reading):
+                        dirty = True
+                if self.recovery is not None:
+                    if tracker.awaiting_check:
+                        self.recovery.request(gpu)
+                    else:
+                        # No longer waiting (the operator cleared it, or it failed again): a queued or running
+                        # check must not start under a workload scheduled since.
+                        self.recovery.cancel(gpu.uuid)
             now = self.clock()
             transitions = self._publish_locked(now, discovery.error)
         self.last_poll_at = now
@@ -331,8 +368,103 @@ class Monitor:
         if _worth_keeping(saved):
             self._saved[tracker.device_id] = saved
 
+    def _take_check_results(self) -> None:
+        if self.recovery is None:
+            return
+        for result in self.recovery.results():
+            tracker = self._trackers.get(result.device_id)
+            if tracker is None or not tracker.awaiting_check:
+                continue  # the GPU went, or the operator cleared it meanwhile
+            log.log(logging.INFO if result.passed else logging.ERROR, "device %s: recovery check %s: %s",
+                    result.device_id, "passed" if result.passed else "failed", result.detail)
+            tracker.check_result(result.passed, result.detail, self.clock())
+
+    def _note_replacement(self, gpu: Gpu) -> None:
+        """A new UUID at a PCI address another GPU had: it starts clean (its own tracker), and the old UUID's
+        saved record stays in the state file, readable, under its own UUID."""
+        if not gpu.pci_bus_id:
+            return
+        for uuid, saved in self._saved.items():
+            if uuid != gpu.uuid and "/" not in uuid and saved.get("pci") == gpu.pci_bus_id \
+                    and uuid not in self._trackers:
+                log.warning("device %s at PCI %s replaces %s: it starts clean; the old GPU's record stays in the "
+                            "state file", gpu.uuid, gpu.pci_bus_id, uuid)
+                saved["replaced_by"] = gpu.uuid
+
+    def clear(self, device_id: str | None, code: str | None, note: str, now: float | None = None) \
+            -> list[tuple[str, str]]:
+        """The operator's clear: ``device_id`` a GPU or MIG device UUID or a GPU index (None: every device);
+        ``code`` one reason (None: all that may be cleared). Refused with ClearRefused, changing nothing, while a
+        condition is still present. Published at once; the transition's note names the operator's note."""
+        when = self.clock() if now is None else now
+        with self._lock:
+            targets = self._clear_targets(device_id)
+            codes = frozenset({code}) if code else None
+            if device_id is not None or code is not None:
+                # Judge every target before touching any, so a refusal changes nothing.
+                for t in targets:
+                    self._refuse_foreign(t, code)
+            done: list[tuple[str, str]] = []
+            refusals: list[str] = []
+            for t in targets:
+                try:
+                    for c in t.operator_clear(codes, note, when):
+                        done.append((t.device_id.rsplit("/", 1)[-1], c))
+                except ClearRefused as exc:
+                    if device_id is not None:
+                        raise
+                    refusals.append(str(exc))
+            if not done:
+                raise ClearRefused(refusals[0] if len(refusals) == 1 else
+                                   "nothing to clear on any device" + (f" ({'; '.join(refusals)})" if refusals else ""))
+            if self.recovery is not None:
+                for t in targets:
+                    if "/" not in t.device_id and not t.awaiting_check:
+                        self.recovery.cancel(t.device_id)  # at once, not at the next poll
+            self._publish_locked(when)
+        if self.persister is not None:
+            self.persister.mark_dirty()
+        for dev, c in done:
+            log.warning("device %s: %s cleared by the operator: %s", dev, c, note)
+        return done
+
+    def _clear_targets(self, device_id: str | None) -> list[DeviceTracker]:
+        if device_id is None:
+            return [*self._trackers.values(), *self._mig_trackers.values()]
+        if device_id in self._trackers:
+            return [self._trackers[device_id]]
+        for key, t in self._mig_trackers.items():
+            if key.rsplit("/", 1)[-1] == device_id:
+                return [t]
+        if device_id.isdigit():
+            for uuid, gpu in self._gpus.items():
+                if gpu.index == int(device_id) and uuid in self._trackers:
+                    return [self._trackers[uuid]]
+        for gpu in self._gpus.values():
+            for mig in gpu.mig_devices:
+                if mig.uuid == device_id:
+                    # A MIG device with no reasons of its own has no tracker: what it shows is its GPU's.
+                    raise ClearRefused(f"{device_id}: its reasons are its GPU's ({gpu.uuid}): clear that GPU")
+        raise ClearRefused(f"no device {device_id!r} on this node (a GPU UUID, a MIG device UUID or a GPU index)")
+
+    def _refuse_foreign(self, tracker: DeviceTracker, code: str | None) -> None:
+        """Reasons the tracker does not hold are not the operator's to clear here: the monitor's own and another
+        provider's clear when their cause does."""
+        uuid = tracker.device_id.split("/", 1)[0]
+        if code is None:
+            return
+        if code == "nvml-stalled" and uuid in self._stalled:
+            raise ClearRefused(f"{uuid}: nvml-stalled is still present: it clears when the hung NVML call returns")
+        if code == "nvml-check-unavailable" and uuid in self._unavailable:
+            raise ClearRefused(f"{uuid}: nvml-check-unavailable clears with another driver version "
+                               "(`gpu-health-plugin inspect` names the call)")
+        if any(r.code == code for r in self._external.get(uuid.lower(), ())):
+            raise ClearRefused(f"{uuid}: {code} is another health provider's: it clears when that provider says so")
+
     def _new_tracker(self, device_id: str) -> DeviceTracker:
-        tracker = DeviceTracker(device_id, self.cfg)
+        # Only whole GPUs wait for a recovery check: the check runs on a GPU, and a MIG device shows its GPU's wait.
+        tracker = DeviceTracker(device_id, self.cfg, boot_id=self.boot_id,
+                                gated=self.recovery is not None and "/" not in device_id)
         saved = self._saved.pop(device_id, None)
         if saved:
             tracker.load(saved)
@@ -374,21 +506,35 @@ class Monitor:
                 # The state may have moved with the other provider's reasons: the node state keeps the older
                 # ``since`` while the state holds, so the later of the two moments is right either way.
                 since = max(since, self._external_at[uuid.lower()])
-            statuses.append(DeviceStatus(uuid, gpu, state, reasons, since, mapping[state]))
+            if self.recovery is not None and tracker.awaiting_check:
+                reasons = self._with_waiting(uuid, reasons)
+            statuses.append(DeviceStatus(uuid, gpu, state, reasons, since, mapping[state], cleared=tracker.cleared))
             for mig in gpu.mig_devices:
                 own = self._mig_trackers.get(f"{uuid}/{mig.uuid}")
-                m_state, m_reasons, m_since = state, reasons, since
+                m_state, m_reasons, m_since, m_cleared = state, reasons, since, tracker.cleared
                 if own is not None:
                     o_state, o_reasons = own.update(now)
                     m_state = State.worst(state, o_state)
                     m_reasons = o_reasons + reasons
                     m_since = max(m_since, own.since)
-                statuses.append(DeviceStatus(mig.uuid, gpu, m_state, m_reasons, m_since, mapping[m_state], mig))
+                    if own.cleared is not None and (m_cleared is None or own.cleared.time > m_cleared.time):
+                        m_cleared = own.cleared
+                statuses.append(DeviceStatus(mig.uuid, gpu, m_state, m_reasons, m_since, mapping[m_state], mig,
+                                             m_cleared))
         transitions = self.state.publish(statuses, now, error)
         for t in transitions:
             log.info("transition #%d %s: %s -> %s %s", t.seq, t.id, t.from_state, t.to_state,
                      ",".join(r.code for r in t.reasons) or "-")
         return transitions
+
+    def _with_waiting(self, uuid: str, reasons: tuple[Reason, ...]) -> tuple[Reason, ...]:
+        """The pending reason says why its check has not run yet (a pod holds the GPU, another check runs)."""
+        assert self.recovery is not None
+        why = self.recovery.waiting(uuid)
+        if not why:
+            return reasons
+        return tuple(replace(r, message=f"{r.message} ({why})") if r.code == "recovery-check-pending" else r
+                     for r in reasons)
 
     def _collect(self) -> dict[str, Any]:
         with self._lock:
@@ -396,6 +542,9 @@ class Monitor:
             # would silently heal a GPU that merely came up late.
             devices = {k: v for k, v in self._saved.items() if _worth_keeping(v)}
             devices.update({k: t.to_dict() for k, t in {**self._trackers, **self._mig_trackers}.items()})
+            for uuid, gpu in self._gpus.items():
+                if uuid in devices and gpu.pci_bus_id:
+                    devices[uuid]["pci"] = gpu.pci_bus_id  # to tell a replaced GPU from a new one later
         return {"devices": devices, "transitions": [t.to_dict() for t in self.state.history()[-256:]]}
 
 
@@ -416,4 +565,4 @@ def _readable_transitions(saved: list[Any]) -> list[Transition]:
 def _worth_keeping(saved: dict[str, Any]) -> bool:
     """Whether a device's saved entry holds anything a poll could not re-derive."""
     return bool(saved.get("latched") or saved.get("rate_held") or saved.get("app_xids")
-                or saved.get("backoff_until"))
+                or saved.get("backoff_until") or saved.get("awaiting"))

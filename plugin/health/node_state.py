@@ -24,6 +24,26 @@ def _ordered(reasons: tuple[Reason, ...]) -> tuple[Reason, ...]:
 
 
 @dataclass(frozen=True)
+class Clearance:
+    """Reasons taken off a device, and why: a reboot, a reset, the operator (with their note), a passed check."""
+
+    codes: tuple[str, ...]
+    why: str
+    time: float
+
+    @property
+    def text(self) -> str:
+        return f"cleared {', '.join(self.codes)}: {self.why}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"codes": list(self.codes), "why": self.why, "time": self.time}
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> Clearance:
+        return Clearance(tuple(str(c) for c in d["codes"]), str(d["why"]), float(d["time"]))
+
+
+@dataclass(frozen=True)
 class DeviceStatus:
     id: str
     gpu: Gpu  # the physical GPU (a MIG device's parent)
@@ -32,6 +52,7 @@ class DeviceStatus:
     since: float
     kubelet_health: KubeletHealth
     mig: MigDevice | None = None
+    cleared: Clearance | None = None  # the device's latest clearance; a new one is a transition of its own
 
     def __post_init__(self) -> None:
         # Ordered where it is published, once: annotations, Events, the condition, DRA, the health API and the CLI
@@ -51,18 +72,25 @@ class Transition:
     to_state: str
     reasons: tuple[Reason, ...]  # worst first, as in DeviceStatus (a saved one may predate the order)
     time: float
+    # Why reasons left the device, when a clearance caused this transition ("cleared xid-79: node rebooted"). A
+    # clearance that leaves the state as it was is a transition too (from == to), so the history keeps it.
+    note: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "reasons", _ordered(self.reasons))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"seq": self.seq, "id": self.id, "from": self.from_state, "to": self.to_state,
-                "reasons": [r.to_dict() for r in self.reasons], "time": self.time}
+        d: dict[str, Any] = {"seq": self.seq, "id": self.id, "from": self.from_state, "to": self.to_state,
+                             "reasons": [r.to_dict() for r in self.reasons], "time": self.time}
+        if self.note:
+            d["note"] = self.note
+        return d
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> Transition:
         return Transition(seq=int(d["seq"]), id=str(d["id"]), from_state=str(d["from"]), to_state=str(d["to"]),
-                          reasons=tuple(Reason.from_dict(r) for r in d.get("reasons", [])), time=float(d["time"]))
+                          reasons=tuple(Reason.from_dict(r) for r in d.get("reasons", [])), time=float(d["time"]),
+                          note=str(d.get("note", "")))
 
 
 @dataclass(frozen=True)
@@ -113,9 +141,13 @@ class NodeState:
             for d in devs:
                 before = old.by_id.get(d.id)
                 prev = before.state.value if before else ABSENT
-                if prev != d.state.value:
+                # Clearances are made in this process (never restored), so one new to the snapshot happened now,
+                # also on a device's first appearance (a reboot's clearance comes with the first poll).
+                note = d.cleared.text if d.cleared is not None and (before is None or before.cleared != d.cleared) \
+                    else ""
+                if prev != d.state.value or note:
                     self._seq += 1
-                    transitions.append(Transition(self._seq, d.id, prev, d.state.value, d.reasons, now))
+                    transitions.append(Transition(self._seq, d.id, prev, d.state.value, d.reasons, now, note))
             for d in old.devices:
                 if d.id not in new_ids:
                     self._seq += 1

@@ -1,9 +1,11 @@
 """Per-device state machine: turns conditions over time into a state with reasons.
 
 Polled conditions clear after ``clear_after_polls`` clean polls in a row; rate conditions (a counter growing too fast)
-also stay for ``rate_hold_s`` after they were last seen. Event conditions are latched until the GPU
-is seen reset or their hold time passes. A device that changes state too often holds its worst recent state for a
-back-off period. Time always comes in as an argument, so tests drive a fake clock.
+also stay for ``rate_hold_s`` after they were last seen. Event conditions are latched until what their row of the
+reason table says clears them (``reasons.clears_for``): a reset seen, a reboot (another boot id at start and a clean
+read), their hold time, the operator. With a recovery check configured, a latch about to clear waits for the check
+instead. A device that changes state too often holds its worst recent state for a back-off period. Time always comes
+in as an argument, so tests drive a fake clock.
 """
 
 from __future__ import annotations
@@ -14,8 +16,18 @@ from typing import Any, NamedTuple
 
 from plugin.devices.model import GpuEvent, Reading
 from plugin.health.config import HealthConfig
+from plugin.health.node_state import Clearance
 from plugin.health.policy import RATE_CODES, Disposition, classify_event, condition, evaluate_reading
-from plugin.health.reasons import SPECS, Condition, Reason, Source, State
+from plugin.health.reasons import SPECS, Action, Clear, Condition, Reason, Source, State, clears_for
+
+# The driver's recovery actions that ask for a reset: their return to none means the reset happened.
+_RESET_ACTIONS = frozenset({"gpu_reset", "drain_and_reset", "bus_reset"})
+# What a GPU must not show for a reboot to count as having mended it.
+_NOT_MENDED = frozenset({Action.RESET_GPU, Action.REBOOT_NODE})
+
+
+class ClearRefused(Exception):
+    """An operator's clear that cannot be done; the message is one line for them."""
 
 
 class Verdict(NamedTuple):
@@ -34,12 +46,22 @@ class _Polled:
 class _Latched:
     reason: Reason
     last_seen: float
+    boot_id: str = ""  # the node's boot when it was (last) set: a reboot is another boot id
 
 
 class DeviceTracker:
-    def __init__(self, device_id: str, cfg: HealthConfig) -> None:
+    def __init__(self, device_id: str, cfg: HealthConfig, boot_id: str = "", gated: bool = False) -> None:
         self.device_id = device_id
         self.cfg = cfg
+        self.boot_id = boot_id
+        # With a recovery check: latches about to clear wait in _awaiting (with why) until check_result.
+        self.gated = gated
+        self._awaiting: dict[str, Reason] = {}
+        self._awaiting_why = ""
+        self._awaiting_since = 0.0
+        self._reboot_pending = False  # latches from another boot wait for the first good read
+        self.lost = False
+        self.cleared: Clearance | None = None  # the latest clearance, for the outlets
         self._polled: dict[str, _Polled] = {}
         self._latched: dict[str, _Latched] = {}
         self._app_xids: dict[int, deque[float]] = {}
@@ -54,12 +76,15 @@ class DeviceTracker:
 
     # Observations ---------------------------------------------------------------------------------------------
 
-    def observe_reading(self, reading: Reading) -> bool:
-        """Feed one poll. Returns True when it showed the GPU was reset (which clears latches)."""
+    def observe_reading(self, reading: Reading) -> tuple[tuple[Clear, str], ...]:
+        """Feed one poll. Returns what it showed clearing latches (a reset seen, a reboot judged), with why, so the
+        caller can apply the same to the GPU's MIG devices."""
         now = reading.time
-        reset_seen = self._reset_seen(reading)
-        if reset_seen:
-            self.clear_latches()
+        applied: list[tuple[Clear, str]] = []
+        reset_why = self._reset_seen(reading)
+        if reset_why:
+            self.clear_by(Clear.RESET, reset_why, now)
+            applied.append((Clear.RESET, reset_why))
         if reading.errors and not reading.lost:
             self._error_streak += 1
             found = evaluate_reading(reading, None, self.cfg)
@@ -72,9 +97,12 @@ class DeviceTracker:
             # A failed read says nothing about signals we could not see: keep what was active, only add.
             for c in found:
                 self._raise_polled(c, now)
-            return reset_seen
+            return tuple(applied)
         self._error_streak = 0
+        self.lost = reading.lost
         found = evaluate_reading(reading, self._previous, self.cfg)
+        if self._reboot_pending and not reading.lost:
+            applied.extend(self._judge_reboot(found, now))
         self._previous = reading if not reading.lost else None
         seen = {c.code for c in found}
         for c in found:
@@ -86,7 +114,35 @@ class DeviceTracker:
             p.clean_polls += 1
             if p.clean_polls >= self.cfg.clear_after_polls and not self._rate_held(p, now):
                 del self._polled[code]
-        return reset_seen
+        return tuple(applied)
+
+    def judge_reboot(self, reading: Reading) -> bool:
+        """A MIG device's latches after a reboot, judged on its GPU's first good read. True when any cleared."""
+        if not self._reboot_pending or reading.lost or reading.errors:
+            return False
+        return bool(self._judge_reboot(evaluate_reading(reading, None, self.cfg), reading.time))
+
+    def _judge_reboot(self, found: list[Condition], now: float) -> list[tuple[Clear, str]]:
+        """The first good read after a reboot: latches from before it that a reboot mends clear, unless the GPU
+        still shows something a reset or reboot is asked for. Either way the judgement is made once: what stays is
+        stamped with this boot, so a later plugin restart (no reboot) never clears it."""
+        self._reboot_pending = False
+        blocking = sorted({c.code for c in found if c.action in _NOT_MENDED})
+        applied: list[tuple[Clear, str]] = []
+        if blocking:
+            for lt in self._latched.values():
+                if lt.boot_id != self.boot_id and Clear.REBOOT in clears_for(lt.reason):
+                    lt.reason = _noted(lt.reason,
+                                       f"kept across a node reboot: the GPU still shows {', '.join(blocking)}")
+        else:
+            why = "node rebooted"
+            if self.clear_by(Clear.REBOOT, why, now, older_boot_only=True):
+                applied.append((Clear.REBOOT, why))
+        for lt in self._latched.values():
+            if lt.boot_id != self.boot_id and Clear.REBOOT not in clears_for(lt.reason):
+                lt.reason = _noted(lt.reason, "kept across a node reboot: a reboot does not clear it")
+            lt.boot_id = self.boot_id
+        return applied
 
     def _rate_held(self, p: _Polled, now: float) -> bool:
         # A rate rule only fires while a counter grows, so a burst would vanish a few polls after it ends; hold it
@@ -103,16 +159,18 @@ class DeviceTracker:
             p.last_seen = now
             p.clean_polls = 0
 
-    def _reset_seen(self, reading: Reading) -> bool:
+    def _reset_seen(self, reading: Reading) -> str:
+        """Why this poll shows the GPU was reset since the last one, or ""."""
         if "gpu-lost" in self._polled and not reading.lost and not reading.errors:
-            # A lost GPU answering again was reset (or the node rebooted).
+            # A lost GPU answering again was reset (a reboot is judged at start, by the boot id).
             del self._polled["gpu-lost"]
-            return True
+            return "GPU reset: the lost GPU answers again"
         prev = self._previous
         if prev is None:
-            return False
-        # The driver's recovery action returning to none means the reset it asked for happened.
-        return prev.recovery_action not in (None, "none") and reading.recovery_action == "none"
+            return ""
+        if prev.recovery_action in _RESET_ACTIONS and reading.recovery_action == "none":
+            return f"GPU reset: the driver's recovery action went from {prev.recovery_action} to none"
+        return ""
 
     def observe_event(self, event: GpuEvent) -> Disposition:
         """Feed one driver event; returns the policy's disposition (``POLL`` asks the caller to poll now)."""
@@ -134,19 +192,111 @@ class DeviceTracker:
     def _latch(self, c: Condition, now: float) -> None:
         old = self._latched.get(c.code)
         first = old.reason.first_seen if old else now
-        self._latched[c.code] = _Latched(Reason.of(c, first), now)
+        self._latched[c.code] = _Latched(Reason.of(c, first), now, self.boot_id)
 
-    def clear_latches(self) -> None:
-        """The GPU was seen reset (or re-appeared): event-born conditions no longer hold."""
-        self._latched.clear()
-        self._app_xids.clear()
-        self._previous = None
+    def clear_by(self, kind: Clear, why: str, now: float, older_boot_only: bool = False) -> tuple[str, ...]:
+        """Take off every latch that ``kind`` clears by its row of the table; returns their codes. With a recovery
+        check they wait for it instead (``awaiting_check``)."""
+        gone = [code for code, lt in self._latched.items()
+                if kind in clears_for(lt.reason) and not (older_boot_only and lt.boot_id == self.boot_id)]
+        if kind in (Clear.RESET, Clear.REBOOT):
+            # Counts of application XIDs belong to the GPU's life before it: a reset or reboot starts them over.
+            self._app_xids.clear()
+            self._previous = None
+        if not gone:
+            return ()
+        reasons = {code: self._latched.pop(code).reason for code in gone}
+        if self.gated:
+            self._await_check(reasons, why, now)
+        else:
+            self.cleared = Clearance(tuple(sorted(reasons)), why, now)
+        return tuple(sorted(reasons))
+
+    def _await_check(self, reasons: dict[str, Reason], why: str, now: float) -> None:
+        # recovery-check-failed waits too: what clears it (a reset, a reboot) is what calls for a new check.
+        if not self._awaiting:
+            self._awaiting_since = now
+        self._awaiting.update(reasons)
+        self._awaiting_why = why if not self._awaiting_why else f"{self._awaiting_why}; {why}"
+
+    @property
+    def awaiting_check(self) -> bool:
+        return bool(self._awaiting)
+
+    def check_result(self, passed: bool, detail: str, now: float) -> None:
+        """The recovery check's verdict on what waits for it: passed, it clears for good; failed, the device is
+        kept out with ``recovery-check-failed`` and the check's words."""
+        if not self._awaiting:
+            return
+        codes = tuple(sorted(self._awaiting))
+        why = self._awaiting_why
+        self._awaiting.clear()
+        self._awaiting_why = ""
+        if passed:
+            self.cleared = Clearance(codes, f"{why}; recovery check passed", now)
+        else:
+            c = condition("recovery-check-failed", f"recovery check failed: {detail}", Source.CHECK)
+            self._latched[c.code] = _Latched(Reason.of(c, now), now, self.boot_id)
+
+    def operator_clear(self, codes: frozenset[str] | None, note: str, now: float) -> tuple[str, ...]:
+        """``gpu-health-plugin clear``: take off what the operator names (everything clearable when None). Refused,
+        changing nothing, while the condition is still present or when a named reason is not there to clear."""
+        if self.lost:
+            raise ClearRefused(f"{self.device_id}: the GPU is still lost (NVML cannot reach it)")
+        present = {code for code, p in self._polled.items() if p.clean_polls == 0}
+        clearable: dict[str, str] = {}  # code -> where it lives
+        for code in self._latched:
+            clearable[code] = "latched"
+        for code, p in self._polled.items():
+            if code not in present and Clear.OPERATOR in clears_for(p.reason):
+                clearable.setdefault(code, "polled")
+        if self._awaiting:
+            clearable["recovery-check-pending"] = "awaiting"
+        if self._backoff_until:
+            clearable["flapping"] = "flap"
+        if codes is not None:
+            for code in sorted(codes):
+                if code in present:
+                    raise ClearRefused(f"{self.device_id}: {code} is still present (seen by the last poll); it "
+                                       "clears by itself once the GPU stops showing it")
+                if code not in clearable:
+                    known = code in self._polled or (code in SPECS and Clear.OPERATOR not in SPECS[code].clears)
+                    why = "it clears only when the GPU stops showing it" if known else "the device has no such reason"
+                    raise ClearRefused(f"{self.device_id}: {code} cannot be cleared: {why}")
+            chosen = sorted(codes)
+        else:
+            chosen = sorted(clearable)
+            if not chosen:
+                still = f": {', '.join(sorted(present))} still present" if present else ""
+                raise ClearRefused(f"{self.device_id}: nothing to clear{still}")
+        for code in chosen:
+            where = clearable[code]
+            if where == "latched":
+                del self._latched[code]
+            elif where == "polled":
+                del self._polled[code]
+            elif where == "awaiting":
+                self._awaiting.clear()
+                self._awaiting_why = ""
+            elif where == "flap":
+                self._backoff_until = 0.0
+                self._changes.clear()
+        self.cleared = Clearance(tuple(chosen), f"by the operator: {note}", now)
+        return tuple(chosen)
 
     def _expire(self, now: float) -> None:
+        expired: dict[str, Reason] = {}
         for code, latched in list(self._latched.items()):
             hold = self.cfg.latch_hold_s.get(latched.reason.severity)
             if hold is not None and now - latched.last_seen >= hold:
-                del self._latched[code]
+                expired[code] = self._latched.pop(code).reason
+        if not expired:
+            return
+        why = "its hold time passed with no new event"
+        if self.gated:
+            self._await_check(expired, why, now)
+        else:
+            self.cleared = Clearance(tuple(sorted(expired)), why, now)
 
     # Verdict --------------------------------------------------------------------------------------------------
 
@@ -155,6 +305,8 @@ class DeviceTracker:
         (tripping or ending the back-off), and move ``state`` and ``since``. The one place any of that happens."""
         self._expire(now)
         reasons = self._merged()
+        if self._awaiting:
+            reasons.append(self._pending_reason())
         state = State.worst(*(r.severity for r in reasons))
         while self._changes and self._changes[0][0] < now - self.cfg.flap_window_s:
             self._changes.popleft()
@@ -192,6 +344,13 @@ class DeviceTracker:
                                                                min(r.first_seen, have.first_seen))
         return list(merged.values())
 
+    def _pending_reason(self) -> Reason:
+        # The device stays as the cleared reasons had it until the check passes: the severity is theirs.
+        held = State.worst(*(r.severity for r in self._awaiting.values()))
+        spec = SPECS["recovery-check-pending"]
+        return Reason(spec.code, held, f"{', '.join(sorted(self._awaiting))} cleared ({self._awaiting_why}); waiting "
+                      "for the recovery check", spec.source, spec.action, self._awaiting_since)
+
     def _flapping(self, first_seen: float) -> Reason:
         # The table gives the action; the severity is the state held, which is the point of the reason.
         return Reason("flapping", self._held,
@@ -202,7 +361,11 @@ class DeviceTracker:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "latched": [{**lt.reason.to_dict(), "last_seen": lt.last_seen} for lt in self._latched.values()],
+            "latched": [{**lt.reason.to_dict(), "last_seen": lt.last_seen, "boot_id": lt.boot_id}
+                        for lt in self._latched.values()],
+            "awaiting": [r.to_dict() for r in self._awaiting.values()],
+            "awaiting_why": self._awaiting_why,
+            "awaiting_since": self._awaiting_since,
             # Rate conditions cannot be re-derived by a poll after a restart (the counter no longer grows), so the
             # ones still held are kept like latches, until their hold window ends.
             "rate_held": [{**p.reason.to_dict(), "last_seen": p.last_seen}
@@ -217,7 +380,16 @@ class DeviceTracker:
     def load(self, d: dict[str, Any]) -> None:
         for item in d.get("latched", []):
             r = Reason.from_dict(item)
-            self._latched[r.code] = _Latched(r, float(item.get("last_seen", r.first_seen)))
+            # An entry from a release that kept no boot id is taken as this boot's: the next reboot clears it.
+            boot = str(item.get("boot_id") or self.boot_id)
+            self._latched[r.code] = _Latched(r, float(item.get("last_seen", r.first_seen)), boot)
+            if boot != self.boot_id:
+                self._reboot_pending = True
+        for item in d.get("awaiting", []):
+            r = Reason.from_dict(item)
+            self._awaiting[r.code] = r
+        self._awaiting_why = str(d.get("awaiting_why", ""))
+        self._awaiting_since = float(d.get("awaiting_since", 0.0))
         for item in d.get("rate_held", []):
             r = Reason.from_dict(item)
             # Restored as already clean: only the hold window keeps it, and a new burst refreshes it.
@@ -228,3 +400,9 @@ class DeviceTracker:
         self._held = State(d.get("held", State.HEALTHY.value))
         self.state = State(d.get("state", State.HEALTHY.value))
         self.since = float(d.get("since", 0.0))
+
+
+def _noted(r: Reason, note: str) -> Reason:
+    if note in r.message:
+        return r
+    return Reason(r.code, r.severity, f"{r.message}; {note}", r.source, r.action, r.first_seen)

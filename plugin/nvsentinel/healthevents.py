@@ -42,6 +42,7 @@ FABRIC = "GpuHealthFabric"
 DRIVER = "GpuHealthDriver"
 NVML = "GpuHealthNvml"
 FLAPPING = "GpuHealthFlapping"
+RECOVERY_CHECK = "GpuHealthRecoveryCheck"
 
 # Every code of REASONS has a row here (tests/unit/test_nvsentinel_events.py fails on a new code without one), so a
 # new reason cannot go unmapped silently. The generic XID rows cover every XID number.
@@ -61,6 +62,7 @@ CHECKS: Mapping[str, str] = {
     "gpu-lost": DRIVER, "gpu-unavailable": DRIVER, "reset-required": DRIVER,
     "nvml-error": NVML,
     "flapping": FLAPPING,
+    "recovery-check-failed": RECOVERY_CHECK, "recovery-check-pending": RECOVERY_CHECK,
 }
 CHECK_NAMES: tuple[str, ...] = tuple(dict.fromkeys(CHECKS.values()))
 

@@ -236,6 +236,8 @@ class Correlator(OutletThread):
             news = [Transition(snap.seq, d.id, "", d.state.value, d.reasons, d.since) for d in snap.devices]
         self._seq = snap.seq
         for t in news:
+            if t.from_state == t.to_state:
+                continue  # a clearance that kept the state: the pods were told when the device entered it
             if t.to_state in self.settings.states:
                 self._pending[t.id] = t
             else:

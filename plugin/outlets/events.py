@@ -10,6 +10,12 @@ PATCH. A device alone in its burst gets the per-device Event it always had, mess
 wait: a burst's Event goes out ``burst_s`` after its first transition (the window has to close before we know who
 is in it), so the first Event of a fault comes up to 1 s later than the transition, as the annotations do.
 
+A clearance (a reboot, a GPU reset, the operator's ``clear``, a passed recovery check) rides on its transition as a
+note: a transition that also changes the state carries the note at the end of its message; one that leaves the
+state as it was (Unhealthy -> Unhealthy, with one reason fewer), or a device that appears already cleared, is a Normal
+``GPUFaultCleared`` Event naming the device, what was cleared and why (the operator's note is in that text). Notes
+are part of the burst and aggregation keys: two different clearances are never folded into one Event.
+
 A burst is closed for good when its window ends: a device failing later opens a burst of its own (its own Event, or
 a group Event with the devices that fail with it), so an Event already posted is never re-sent nor counted again.
 
@@ -42,7 +48,9 @@ _INTO = {State.UNHEALTHY.value: "GPUUnhealthy", State.DEGRADED.value: "GPUDegrad
 # Characters of a group message spent on device names: the rest of the 1,024 is for what happened.
 NAMES_BUDGET = 240
 
-Key = tuple[str, tuple[str, ...], frozenset[str]]  # (reason, codes, device ids)
+CLEARED = "GPUFaultCleared"  # the Event reason of a clearance that changed no state
+
+Key = tuple[str, tuple[str, ...], frozenset[str], str]  # (reason, codes, device ids, note)
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,7 @@ class EventSpec:
     type: str  # Warning or Normal
     codes: tuple[str, ...]
     message: str
+    note: str = ""  # the clearance that caused the transition, "" for any other
 
 
 def _detail(reasons: tuple[Reason, ...]) -> str:
@@ -68,14 +77,26 @@ def _detail(reasons: tuple[Reason, ...]) -> str:
 
 
 def event_for(t: Transition, device: str) -> EventSpec | None:
-    """The Event a transition deserves, or None when it neither enters nor leaves a bad state."""
-    if t.from_state not in BAD_STATES and t.to_state not in BAD_STATES:
-        return None
+    """The Event a transition deserves, or None when it neither enters nor leaves a bad state nor clears a fault."""
+    codes = tuple(r.code for r in t.reasons)
+    changed = t.from_state != t.to_state and (t.from_state in BAD_STATES or t.to_state in BAD_STATES)
+    if not changed:
+        if not t.note:
+            return None
+        # A clearance that moved no state (or a device that appeared cleared, after a reboot): still news, and
+        # good news, so Normal. What is left on the device follows, so nobody reads it as healthy when it is not.
+        left = f"; still {t.to_state}{_detail(t.reasons)}" if t.to_state in BAD_STATES else ""
+        return EventSpec(t.id, device, CLEARED, "Normal", codes, truncate(f"{device} ({t.id}): {t.note}{left}"),
+                         t.note)
     reason = _INTO.get(t.to_state, "GPUStateChanged")
     kind = "Warning" if t.to_state in BAD_STATES else "Normal"
-    msg = f"{device} ({t.id}): {t.from_state} -> {t.to_state}{_detail(t.reasons)}"
+    msg = f"{device} ({t.id}): {t.from_state} -> {t.to_state}{_detail(t.reasons)}{_noted(t.note)}"
     # Cut here, not only in the body: a patch of an aggregated Event carries the message too.
-    return EventSpec(t.id, device, reason, kind, tuple(r.code for r in t.reasons), truncate(msg))
+    return EventSpec(t.id, device, reason, kind, codes, truncate(msg), t.note)
+
+
+def _noted(note: str) -> str:
+    return f" ({note})" if note else ""
 
 
 @dataclass(frozen=True)
@@ -88,10 +109,11 @@ class GroupSpec:
     device_ids: frozenset[str]
     devices: tuple[str, ...]  # key names, gpu.2 before gpu.10
     message: str
+    note: str = ""
 
     @property
     def key(self) -> Key:
-        return (self.reason, self.codes, self.device_ids)
+        return (self.reason, self.codes, self.device_ids, self.note)
 
     @property
     def device(self) -> str:
@@ -169,16 +191,24 @@ class Burst:
         ids = frozenset(self.members)
         names = tuple(m.spec.device for m in ms)
         if len(ms) == 1:
-            return GroupSpec(one.reason, one.type, one.codes, ids, names, one.message)
+            return GroupSpec(one.reason, one.type, one.codes, ids, names, one.message, one.note)
         latest = max(ms, key=lambda m: m.seq)
-        msg = f"{len(ms)} GPUs ({name_list(names)}): {_states(ms, 'from_state')} -> {_states(ms, 'to_state')}"
+        if one.reason == CLEARED:
+            # One clearance of several devices (a reboot, clear --all): the note once, then what is left.
+            msg = f"{len(ms)} GPUs ({name_list(names)}): {one.note}"
+            if any(m.to_state in BAD_STATES for m in ms):
+                msg += f"; still {_states(ms, 'to_state')}"
+        else:
+            msg = f"{len(ms)} GPUs ({name_list(names)}): {_states(ms, 'from_state')} -> {_states(ms, 'to_state')}"
         details = {_detail(m.reasons) for m in ms}
         if len(details) == 1:
             msg += details.pop()
         else:
             # Same codes, different words (an error count, a temperature): show one and say whose, never a blend.
             msg += f"{_detail(latest.reasons)} (as on {latest.spec.device}; the GPUs' messages differ)"
-        return GroupSpec(one.reason, one.type, one.codes, ids, names, truncate(msg))
+        if one.reason != CLEARED:
+            msg += _noted(one.note)
+        return GroupSpec(one.reason, one.type, one.codes, ids, names, truncate(msg), one.note)
 
 
 def _states(ms: list[Member], attr: str) -> str:
@@ -212,7 +242,7 @@ class EventAggregator:
     max_keys: int = 256
     burst_s: float = 1.0  # the reporter's debounce_s
     entries: OrderedDict[Key, Entry] = field(default_factory=OrderedDict)
-    bursts: OrderedDict[tuple[str, tuple[str, ...]], Burst] = field(default_factory=OrderedDict)
+    bursts: OrderedDict[tuple[str, tuple[str, ...], str], Burst] = field(default_factory=OrderedDict)
 
     def observe(self, transitions: Iterable[Transition], names: Mapping[str, str], now: float) -> int:
         """Record transitions seen at monotonic ``now``; returns how many deserved an Event."""
@@ -223,7 +253,7 @@ class EventAggregator:
             if spec is None:
                 continue
             n += 1
-            group = (spec.reason, spec.codes)
+            group = (spec.reason, spec.codes, spec.note)
             b = self.bursts.get(group)
             if b is None:
                 b = self.bursts[group] = Burst(opened=now, first=t.time, last=t.time)

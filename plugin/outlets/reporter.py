@@ -128,6 +128,8 @@ class KubeReporter(PacedWriter[ReporterStatus, KubeApi], OutletThread):
         # PATCH, are one Event too, and neither waits longer than the other (events.py).
         self._events = EventAggregator(s.node_name, s.event_window_s, s.event_min_interval_s, burst_s=s.debounce_s)
         self._seq: int | None = None
+        # Where the history restored from the state dir ends: what comes after it happened in this run.
+        self._born_seq = state.snapshot().seq
         self._last: dict[str, Transition] = {}
         self._names: dict[str, str] = {}
         self._desired: dict[str, str] = {}
@@ -179,10 +181,14 @@ class KubeReporter(PacedWriter[ReporterStatus, KubeApi], OutletThread):
         else:
             self._last.update(last_transitions(news))
         self._names.update(device_names(snap.devices))
-        if self.settings.events and news:
+        if self.settings.events:
             # Only transitions seen while running: the ones before our first look (e.g. a latched fault reloaded
-            # at start) are on the annotations already and would repeat an Event on every restart.
-            self._events.observe(news, self._names, now)
+            # at start) are on the annotations already and would repeat an Event on every restart. A clearance is
+            # the exception: the first poll after a reboot makes it before we look, and it is this run's news.
+            if first:
+                news = [t for t in self.state.history() if t.seq > self._born_seq and t.note]
+            if news:
+                self._events.observe(news, self._names, now)
         self._seq = snap.seq
         self._version = snap.version
         s = self.settings

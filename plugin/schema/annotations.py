@@ -39,6 +39,7 @@ DEFAULT_MAX_BYTES = 65536
 API_LIMIT_BYTES = 256 * 1024  # the API server's limit on all annotations of an object together
 
 MESSAGE_MAX = 96  # characters of a reason message kept in a device value
+WHY_MAX = 300  # characters of a clearance's why: an operator's note (256) with the words around it
 SUMMARY_WORST = 3  # devices named in the summary line
 
 SCHEMA_KEY = "schema"
@@ -86,9 +87,9 @@ def is_our_key(key: str, prefix: str) -> bool:
     return name in FIXED_KEYS or bool(_DEVICE_NAME_RE.match(name))
 
 
-def _short(message: str) -> str:
+def _short(message: str, limit: int = MESSAGE_MAX) -> str:
     message = " ".join(message.split())
-    return message if len(message) <= MESSAGE_MAX else message[:MESSAGE_MAX - 3] + "..."
+    return message if len(message) <= limit else message[:limit - 3] + "..."
 
 
 def recommended_action(d: DeviceStatus) -> str:
@@ -98,10 +99,11 @@ def recommended_action(d: DeviceStatus) -> str:
 
 def last_transitions(history: Iterable[Transition]) -> dict[str, Transition]:
     """The latest real transition of each device. A device appearing (from Absent, e.g. at every plugin start)
-    is not one: counting it would rewrite every key after each restart for no news."""
+    is not one: counting it would rewrite every key after each restart for no news. Nor is a clearance that left
+    the state as it was (from == to): the value's ``cleared`` says that one."""
     out: dict[str, Transition] = {}
     for t in history:
-        if t.from_state != ABSENT and t.to_state != ABSENT:
+        if t.from_state != ABSENT and t.to_state != ABSENT and t.from_state != t.to_state:
             out[t.id] = t
     return out
 
@@ -122,6 +124,15 @@ def device_value(d: DeviceStatus, last: Transition | None, minimal: bool = False
         doc["reasons"] = [{"code": r.code} for r in reasons]
     else:
         doc["reasons"] = [{"code": r.code, "message": _short(r.message), "action": r.action} for r in reasons]
+    c = d.cleared
+    if c is not None:
+        # The device's latest clearance while the node state keeps it: what was taken off, why, when. Its why is
+        # text, so it goes with the messages when the size cap bites; the codes and the time stay.
+        cleared: dict[str, object] = {"codes": list(c.codes)}
+        if not minimal:
+            cleared["why"] = _short(c.why, WHY_MAX)
+        cleared["at"] = rfc3339(c.time)
+        doc["cleared"] = cleared
     return json.dumps(doc, separators=(",", ":"), sort_keys=False)
 
 
@@ -236,6 +247,21 @@ def merge_patch(current: Mapping[str, str], desired: Mapping[str, str], prefix: 
 # Decoding (the fleet controller, kubectl gpu-health, tests) --------------------------------------------------------
 
 @dataclass(frozen=True)
+class ClearedEntry:
+    """A device value's ``cleared``: the reason codes taken off it, why ("" once the size cap dropped it, or for a
+    value edited by hand), and when (RFC 3339, "" when absent)."""
+
+    codes: tuple[str, ...]
+    why: str
+    at: str
+
+    @property
+    def text(self) -> str:
+        """``cleared xid-79: node rebooted``, as the node state and the health stream say it."""
+        return f"cleared {', '.join(self.codes) or '?'}" + (f": {self.why}" if self.why else "")
+
+
+@dataclass(frozen=True)
 class DeviceEntry:
     """One device value as read back. Every field is text, "" when the value lacks it: a value may have been
     edited by hand (the next resync repairs it), and each reader decides what a gap means to it."""
@@ -251,6 +277,7 @@ class DeviceEntry:
     profile: str = ""
     parent: str = ""  # a MIG device's GPU
     from_state: str = ""
+    cleared: ClearedEntry | None = None  # the latest clearance while the agent keeps it, added within v1
 
     @property
     def gpu(self) -> str:
@@ -332,7 +359,17 @@ def _device_entry(node: str, name: str, raw: str) -> DeviceEntry | None:
     return DeviceEntry(node=node, key=name, id=_text(doc, "id"), state=state if isinstance(state, str) else "",
                        action=_text(doc, "action"), since=_text(doc, "since"),
                        last_transition=_text(doc, "lastTransition"), reasons=reasons,
-                       profile=_text(doc, "profile"), parent=_text(doc, "parent"), from_state=_text(doc, "from"))
+                       profile=_text(doc, "profile"), parent=_text(doc, "parent"), from_state=_text(doc, "from"),
+                       cleared=_cleared(doc.get("cleared")))
+
+
+def _cleared(raw: object) -> ClearedEntry | None:
+    """None when absent or not an object; what is there otherwise, as text (a hand edit may have broken a field)."""
+    if not isinstance(raw, dict):
+        return None
+    codes = raw.get("codes")
+    return ClearedEntry(codes=tuple(str(c) for c in codes) if isinstance(codes, list) else (),
+                        why=_text(raw, "why"), at=_text(raw, "at"))
 
 
 def _count(raw: str | None) -> tuple[int | None, int | None]:

@@ -6,6 +6,8 @@ status  the same JSON while the cluster runs (exit 1 when none is up)
 down    stop everything and remove every process, mount, interface and directory up made
 deploy  apply the plugin (kubectl apply -k manifests/overlays/local-cluster) and wait until the Node shows its GPUs;
         --overlay local-cluster-nvml runs it on the NVML backend over the NVML stand-in instead
+reboot  "reboot" the node: stop the kubelet, the containers and containerd, write a new boot id, clear what a reboot
+        clears from the node files, start containerd and the kubelet again (overlays/local-cluster-reboot)
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def _binaries() -> dict[str, Path]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="local-cluster", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=("up", "down", "status", "deploy"))
+    parser.add_argument("command", choices=("up", "down", "status", "deploy", "reboot"))
     parser.add_argument("--timeout", type=float, default=240, help="seconds to wait for each component (up)")
     parser.add_argument("--overlay", default="local-cluster", metavar="NAME",
                         help="the overlay of manifests/overlays that deploy applies (default %(default)s)")
@@ -63,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0 if status["running"] else 1
         elif args.command == "deploy":
             print(json.dumps(c.deploy(args.overlay), indent=2))
+        elif args.command == "reboot":
+            if c.status() is None:
+                raise cluster.ClusterError("no cluster is up: `scripts/local-cluster up` first")
+            print(json.dumps(c.reboot(timeout=args.timeout), indent=2))
         else:
             removed = c.down()
             left = cluster.leftovers()

@@ -104,6 +104,17 @@ class Layout:
         return self.work / "devroot"
 
     @property
+    def boot_dir(self) -> Path:
+        # A directory, mounted whole (overlays/local-cluster-reboot): `reboot` replaces the file by rename.
+        return self.work / "boot"
+
+    @property
+    def boot_id_file(self) -> Path:
+        """The node's boot id as the plugin reads it (--boot-id-file): the host's /proc/sys/kernel/random/boot_id
+        cannot change without rebooting this machine, so the cluster keeps its own, which `reboot` changes."""
+        return self.boot_dir / "boot_id"
+
+    @property
     def nvml_lib_dir(self) -> Path:
         """The NVML stand-in's libnvidia-ml.so.1, where a driver install would put its library on the host; the
         nvml overlay (manifests/components/local-cluster-nvml) mounts it where the image looks for a driver's."""
@@ -529,6 +540,52 @@ def write_kubelet_config(layout: Layout) -> Path:
     return path
 
 
+# A reboot of the one node ------------------------------------------------------------------------------------------
+
+# The signals of the simulated node file (docs/simulated-node.md) that live in the driver and the GPU's volatile
+# state, and so do not survive a reboot: the event lists (what the next boot reads is a fresh driver's), a lost GPU
+# back on the bus, the driver's recovery request, the volatile error counters, a pending row remap or page
+# retirement (done at the next driver load). What the GPU keeps (a row-remap failure, the retired pages' count), a
+# hot GPU, a slow link, a link or fabric still down, stay as they are: a reboot does not mend those.
+REBOOT_CLEARS = ("xid_events", "mig_events", "lost", "nvml_error", "recovery_action", "reset_required",
+                 "ecc_uncorrected_volatile", "ecc_corrected_volatile", "pcie_replay_count", "nvlink_error_count",
+                 "row_remap_pending", "retired_pages_pending")
+
+
+def write_boot_id(layout: Layout, boot_id: str | None = None) -> str:
+    """A new boot id (a random UUID, as the kernel makes one each boot), replacing the file atomically."""
+    import uuid
+
+    value = boot_id or str(uuid.uuid4())
+    layout.boot_dir.mkdir(parents=True, exist_ok=True)
+    tmp = layout.boot_dir / ".boot_id.tmp"
+    tmp.write_text(value + "\n")
+    os.replace(tmp, layout.boot_id_file)
+    return value
+
+
+def read_boot_id(layout: Layout) -> str:
+    return layout.boot_id_file.read_text().strip()
+
+
+def clear_volatile_signals(path: Path) -> list[str]:
+    """Take what a reboot clears out of a node file (REBOOT_CLEARS), atomically; returns "gpu.<i>.<signal>" for each
+    one removed."""
+    from plugin.devices.simulated import write_node_file
+
+    doc = json.loads(path.read_text())
+    removed = []
+    for g in doc.get("gpus", []):
+        signals = g.get("signals") or {}
+        for key in REBOOT_CLEARS:
+            if key in signals:
+                del signals[key]
+                removed.append(f"gpu.{g['index']}.{key}")
+    if removed:
+        write_node_file(path, doc)
+    return removed
+
+
 # Processes ---------------------------------------------------------------------------------------------------------
 
 def spawn(layout: Layout, name: str, argv: list[str], env: dict[str, str] | None = None) -> int:
@@ -644,6 +701,7 @@ class Cluster:
         tokens = make_pki(lay)
         make_node_files(lay)
         make_nvml_files(lay, standin)
+        write_boot_id(lay)
         (lay.work / "plugin-state").mkdir(exist_ok=True)
         if not DEVICE_PLUGIN_DIR.exists():
             # Record the highest directory we create, so down removes exactly that.
@@ -746,6 +804,47 @@ class Cluster:
 
     def overlay(self, name: str = "local-cluster") -> Path:
         return REPO / "manifests" / "overlays" / name
+
+    def reboot(self, timeout: float = 120) -> dict[str, Any]:
+        """What a reboot of the node does to what runs on it, the control plane left running (it is elsewhere in a
+        real cluster): the kubelet stopped, every container stopped (SIGTERM, then SIGKILL after a few seconds),
+        containerd and its shims stopped; a new boot id; what a reboot clears taken out of the node files
+        (REBOOT_CLEARS); then containerd and the kubelet started again with their command lines, which restart the
+        pods' containers. Everything on disk stays, as on a real node: the plugin's state dir
+        (<work dir>/plugin-state, the host's /var/lib/gpu-health-device-plugin), the kubelet's and containerd's
+        roots. containerd's state dir is on disk here too (a tmpfs /run on a real node): at start containerd finds
+        the dead tasks there and cleans them up."""
+        lay = self.layout
+        started = time.monotonic()
+        with self._lock():
+            argv = {}
+            for name in ("kubelet", "containerd"):
+                pid = component_pid(lay, name)
+                if pid is None:
+                    raise ClusterError(f"{name} is not running: no node to reboot")
+                argv[name] = (pid, cmdline(pid))
+            old_boot = read_boot_id(lay) if lay.boot_id_file.exists() else ""
+            log("reboot: stopping the kubelet, the containers and containerd")
+            stop_pid(argv["kubelet"][0])
+            _stop_containers(grace=5)
+            work = str(lay.work)
+            for p in all_pids():
+                args = cmdline(p)
+                if p != os.getpid() and any(work in a for a in args) and "containerd-shim" in " ".join(args):
+                    stop_pid(p, timeout=5)
+            stop_pid(argv["containerd"][0])
+            boot_id = write_boot_id(lay)
+            cleared = [c for f in (lay.node_file, lay.nvml_node_file) if f.exists() for c in clear_volatile_signals(f)]
+            log(f"reboot: boot id {boot_id}; cleared {', '.join(cleared) or 'nothing'}; starting containerd and "
+                "the kubelet")
+            spawn(lay, "containerd", argv["containerd"][1])
+            self._wait_component("containerd", lambda: _socket_answers(lay.containerd_socket), timeout)
+            spawn(lay, "kubelet", argv["kubelet"][1])
+            self._wait_component("the kubelet's healthz", lambda: http_ok(
+                f"http://127.0.0.1:{KUBELET_HEALTHZ_PORT}/healthz"), timeout, "kubelet")
+        return {"boot_id": boot_id, "previous_boot_id": old_boot, "cleared": cleared,
+                "kubelet_pid": component_pid(lay, "kubelet"), "containerd_pid": component_pid(lay, "containerd"),
+                "seconds": round(time.monotonic() - started, 1)}
 
     def import_image(self, archive: Path) -> None:
         """Put an OCI archive into the cluster's containerd, where pods with imagePullPolicy Never find it."""
@@ -906,6 +1005,18 @@ class Cluster:
                 shutil.rmtree(lay.work, ignore_errors=True)
             done.append(f"rm {lay.work}")
         return done
+
+
+def _stop_containers(grace: float) -> None:
+    """SIGTERM every process in the kubelet's cgroup root, as a shutdown does, then SIGKILL what is left after
+    ``grace`` seconds (a shell as a container's PID 1 ignores SIGTERM)."""
+    for p in [p for p in all_pids() if in_our_cgroup(p)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(in_our_cgroup(p) and pid_alive(p) for p in all_pids()):
+        time.sleep(0.1)
+    kill_cgroup_members()
 
 
 def kill_cgroup_members() -> int:

@@ -380,7 +380,7 @@ def test_config_file_is_v1_with_the_documented_defaults(rendered: dict[str, list
         "policy": {"unhealthyDevices": 1, "unhealthyFraction": 0, "rebootRequired": True, "capacityGap": 1},
         "quarantine": {"noExecuteAfter": 0, "cordon": False, "label": "", "writeConcurrency": 4},
         "drain": {"enabled": False, "evictionsPerMinute": 10},
-        "release": {"recoveryHold": "10m"},
+        "release": {"recoveryHold": "10m", "repeatLimit": 5, "repeatWindow": "168h"},
         "breaker": {"maxQuarantinedFraction": 0.1, "maxQuarantinedNodes": 0},
         "leaderElection": {"leaseDuration": "15s", "renewDeadline": "10s", "retryPeriod": "2s"},
     }
@@ -399,7 +399,8 @@ def test_the_controller_loads_the_shipped_config_and_args_to_its_defaults(
     cfg = load(args, environ={"POD_NAME": "p", "POD_NAMESPACE": "gpu-health-system"})
     defaults = ControllerConfig()
     for name in ("unhealthy_devices", "unhealthy_fraction", "reboot_required", "capacity_gap", "no_execute_after_s",
-                 "cordon", "quarantine_label", "drain", "drain_per_minute", "recovery_hold_s",
+                 "cordon", "quarantine_label", "drain", "drain_per_minute", "recovery_hold_s", "repeat_limit",
+                 "repeat_window_s",
                  "max_quarantined_fraction", "lease_duration_s", "renew_deadline_s", "retry_period_s"):
         assert getattr(cfg, name) == getattr(defaults, name), name
     assert cfg.identity == "p"

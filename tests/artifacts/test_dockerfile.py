@@ -177,7 +177,7 @@ def test_wheel_installs_and_runs_as_in_the_image(tmp_path: Path) -> None:
     exe = venv / "bin" / "gpu-health-plugin"
     helped = subprocess.run([str(exe), "--help"], cwd=run_dir, env=env, capture_output=True, text=True, timeout=60)
     assert helped.returncode == 0, helped.stderr
-    for sub in ("run", "demo", "status", "watch"):
+    for sub in ("run", "demo", "status", "watch", "clear"):  # clear: the runbook's kubectl exec (operations.md)
         assert sub in helped.stdout
     demo = subprocess.run([str(exe), "demo", "--duration", "3"], cwd=run_dir, env=env, capture_output=True,
                           text=True, timeout=180)

@@ -201,7 +201,9 @@ def test_daemonset_scheduling(ds: dict[str, Any]) -> None:
     assert {("nvidia.com/gpu.present", "In", ("true",))} in selected
     assert all(len(s) == 1 and next(iter(s))[2] == ("true",) for s in selected)
     tolerations = {(t["key"], t["operator"], t.get("effect", "")) for t in pod["tolerations"]}
-    assert tolerations == {("nvidia.com/gpu", "Exists", ""), ("CriticalAddonsOnly", "Exists", "")}
+    # And the fleet controller's quarantine, both effects (tests/artifacts/test_quarantine_toleration.py).
+    assert tolerations == {("nvidia.com/gpu", "Exists", ""), ("CriticalAddonsOnly", "Exists", ""),
+                           ("gpu-health.io/quarantine", "Exists", "")}
     assert pod["runtimeClassName"] == "nvidia"
 
 

@@ -24,7 +24,8 @@ from tests.artifacts.test_manifests import (
 
 __all__ = ["kubectl"]  # the fixture, shared with test_manifests
 
-OVERLAYS = ("local-cluster", "local-cluster-remediation", "local-cluster-nvsentinel", "local-cluster-nvml")
+OVERLAYS = ("local-cluster", "local-cluster-remediation", "local-cluster-nvsentinel", "local-cluster-nvml",
+            "local-cluster-reboot")
 # Where components/local-cluster-nvml mounts the NVML stand-in's directory: CUDA images' and GKE's place for the
 # driver's libraries.
 NVML_LIB_IN_POD = "/usr/local/nvidia/lib64"

@@ -25,6 +25,7 @@ from tests.conftest import NodeFile
 REPO = Path(__file__).resolve().parent.parent.parent
 NS = "e2e"
 RES = "nvidia.com/gpu"
+DRA_DRIVER = "gpu.gpu-health.io"
 
 
 def _unavailable(message: str) -> None:
@@ -153,6 +154,15 @@ class Local:
                 sig[k] = v
         self.node_file.write()
 
+    def clear_gpu(self, index: int, code: str, note: str) -> None:
+        """The operator's way back for a fault a reset does not mend (xid-79 asks for a reboot): ``clear`` through
+        ``kubectl exec`` in the node's plugin pod (docs/operations.md), then the XID history gone from the node file
+        as after the repair."""
+        [pod] = [p for p in self.plugin_pods() if not p["metadata"].get("deletionTimestamp")]
+        self.kubectl("exec", "-n", pod["metadata"]["namespace"], pod["metadata"]["name"], "--",
+                     "gpu-health-plugin", "clear", str(index), "--reason", code, "--note", note)
+        self.signals(index, xid_events=None)
+
     def reset_gpu(self, index: int) -> None:
         """What a GPU reset looks like to NVML: the recovery action asks for one, then goes back to none."""
         self.signals(index, recovery_action="gpu_reset")
@@ -177,6 +187,22 @@ class Local:
                 for r in res.get("resources", []) or []:
                     out[r["resourceID"]] = r.get("health", "")
         return out
+
+    def resource_slice(self) -> dict[str, Any] | None:
+        """The node's ResourceSlice of our DRA driver, None while there is none (one at most: 8 GPUs fit one)."""
+        out = json.loads(self.kubectl("get", "resourceslices", "-o", "json",
+                                      f"--field-selector=spec.nodeName={self.node},spec.driver={DRA_DRIVER}"))
+        items: list[dict[str, Any]] = out["items"]
+        assert len(items) <= 1, [i["metadata"]["name"] for i in items]
+        return items[0] if items else None
+
+    def reboot(self) -> dict[str, Any]:
+        """The node "reboots" (scripts/local-cluster reboot, docs/local-cluster.md "Rebooting the node"): the kubelet,
+        the containers and containerd stopped, a new boot id, what a reboot clears taken out of the node file, then
+        containerd and the kubelet started again. The node file is read back, since the reboot rewrote it."""
+        info = self.c.reboot()
+        self.node_file.doc = json.loads(self.node_file.path.read_text())
+        return info
 
     def restart_kubelet(self) -> None:
         """Stop the kubelet process and start it again with the same command line."""
@@ -242,11 +268,33 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         terminalreporter.write_line(f"local cluster: {parts}")
 
 
+def _reuse(c: lc.Cluster) -> Local | None:
+    """GPU_HEALTH_E2E_REUSE=1: the cluster already up (scripts/local-cluster up, or a run with GPU_HEALTH_E2E_KEEP=1),
+    kept up after the run, for working on one story at a time. The plugin image is brought up to date with the
+    working tree (built again only when its sources changed) and imported, so new pods run the current code. Each
+    story file says what it needs; a file run this way may find what an earlier run left."""
+    if os.environ.get("GPU_HEALTH_E2E_REUSE") != "1":
+        return None
+    status = c.status()
+    if status is None or not status["running"]:
+        return None
+    from scripts.localcluster import images
+
+    c.import_image(images.build_plugin(log=lc.log).archive)
+    loc = Local(c, status)
+    loc.kubectl("create", "namespace", NS, check=False)
+    return loc
+
+
 @pytest.fixture(scope="session")
 def local() -> Iterator[Local]:
     if os.geteuid() != 0:
         _unavailable("the local cluster needs root")
     c = lc.Cluster()
+    reused = _reuse(c)
+    if reused is not None:
+        yield reused
+        return
     try:
         c.down()
         started = time.monotonic()

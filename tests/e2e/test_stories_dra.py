@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import NS, Local, until
+from tests.e2e.conftest import DRA_DRIVER, NS, Local, until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-DRIVER = "gpu.gpu-health.io"
+DRIVER = DRA_DRIVER
 OVERLAY = "local-cluster-dra"
 PLUGIN_NS = "gpu-health-system"
 ISLANDS = ({0, 1, 2, 3}, {4, 5, 6, 7})
@@ -29,16 +29,8 @@ CDI_PREFIX = f"{DRIVER}/gpu="
 USED: set[int] = set()
 
 
-def _slice(local: Local) -> dict[str, Any] | None:
-    out = json.loads(local.kubectl("get", "resourceslices", "-o", "json",
-                                   f"--field-selector=spec.nodeName={local.node},spec.driver={DRIVER}"))
-    items: list[dict[str, Any]] = out["items"]
-    assert len(items) <= 1, [i["metadata"]["name"] for i in items]
-    return items[0] if items else None
-
-
 def _device(local: Local, index: int) -> dict[str, Any]:
-    s = _slice(local)
+    s = local.resource_slice()
     assert s is not None, "no ResourceSlice"
     return next(d for d in s["spec"].get("devices", []) if d["name"] == f"gpu-{index}")
 
@@ -144,7 +136,7 @@ def test_20_dra_mode_publishes_a_slice_and_two_gpus_of_one_island_run(local: Loc
     local.kubectl("apply", "-k", str(local.c.overlay(OVERLAY)), timeout=120)
     local.kubectl("-n", PLUGIN_NS, "rollout", "status", "daemonset/gpu-health-device-plugin", "--timeout=180s",
                   timeout=200)
-    s = _until("the node's ResourceSlice", lambda: _slice(local))
+    s = _until("the node's ResourceSlice", local.resource_slice)
     devices = {d["name"]: d for d in s["spec"]["devices"]}
     assert sorted(devices) == [f"gpu-{i}" for i in range(8)]
     attrs = devices["gpu-5"]["attributes"]
@@ -165,13 +157,13 @@ def test_21_a_fault_taints_the_device_and_reaches_pod_status(local: Local) -> No
     held = _allocated(local, "two")
     bad = held[0]
     USED.add(bad)
-    local.signals(bad, xid_events=[79])
+    local.signals(bad, xid_events=[48])  # fatal, and a reset mends it (story 23)
     taint = _until("the NoSchedule taint", lambda: _taint(local, bad))
     assert taint["key"] == "gpu-health.io/unhealthy" and taint["effect"] == "NoSchedule", taint
-    assert taint["value"] == "xid-79"
+    assert taint["value"] == "xid-48"
     health = _until("Unhealthy in pod status", lambda: _pod_health(local, "two").get(bad, ("", ""))[0] == "Unhealthy"
                     and _pod_health(local, "two"))
-    assert "xid-79" in health[bad][1], health
+    assert "xid-48" in health[bad][1], health
     assert health[held[1]][0] == "Healthy"
     assert _taint(local, held[1]) is None
     # The pod goes; its claim is unprepared (the CDI spec removed) and deleted.
@@ -253,7 +245,7 @@ def test_23_recovery_plugin_restart_and_kubelet_restart(local: Local) -> None:
     local.restart_kubelet()
     _until("a second registration", lambda: _registrations(local) > before, timeout=120)
     # A starting kubelet deletes the node's ResourceSlices; the plugin, registered again, puts its slice back.
-    _until("the slice back after the kubelet restart", lambda: _slice(local) is not None, timeout=60)
+    _until("the slice back after the kubelet restart", lambda: local.resource_slice() is not None, timeout=60)
     local.apply(_claim("after", 1), _pod(local, "after", "after"))
     assert len(local.visible_devices("after")) == 1
     _delete(local, "pod/after", "resourceclaim/after")
@@ -273,7 +265,7 @@ def test_24_latency_bench_fault_to_taint_and_to_pod_status(local: Local) -> None
 
 def test_25_an_idle_node_writes_no_slice_then_uninstall_wipes_it(local: Local) -> None:
     # Nothing changes on the node for 30 s (the health stream's heartbeats included): the slice is not written.
-    before = _slice(local)
+    before = local.resource_slice()
     assert before is not None
     watch = subprocess.Popen(["kubectl", "get", "resourceslices", "--watch", "--output-watch-events", "-o", "json",
                               f"--field-selector=spec.nodeName={local.node},spec.driver={DRIVER}"],
@@ -292,5 +284,5 @@ def test_25_an_idle_node_writes_no_slice_then_uninstall_wipes_it(local: Local) -
     local.kubectl("delete", "-k", str(local.c.overlay(OVERLAY)), "--wait=true", timeout=200)
     # The kubelet deletes a driver's ResourceSlices 30 s after its last plugin went (docs/dra.md, "Uninstall"), so
     # nothing is left for the scheduler to hand out on a node with no driver.
-    _until("the kubelet to wipe the ResourceSlice", lambda: _slice(local) is None, timeout=120)
+    _until("the kubelet to wipe the ResourceSlice", lambda: local.resource_slice() is None, timeout=120)
     assert not list(local.c.layout.cdi_dir.glob(f"{DRIVER}-*.json"))

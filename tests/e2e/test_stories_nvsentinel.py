@@ -83,9 +83,10 @@ def test_28_a_fault_on_the_node_reaches_nvsentinel_as_the_table_says_and_its_rec
         ours = until("our condition False on the faulty GPU", lambda: (c := _our_condition(client, uuid)) is not None
                      and c.status == "False" and c)
         assert ours.reason == "Xid79" and client.get(uuid.lower()).status.recommended_action == "reboot-node"
-    # The GPU is reset: the XID check closes with the same check name and entities.
+    # The GPU is fixed and the operator clears it (XID 79 asks for a reboot; a reset is not one): the XID check
+    # closes with the same check name and entities.
     seen = len(peer.events())
-    local.reset_gpu(FAULTY)
+    local.clear_gpu(FAULTY, "xid-79", "GPU reseated (story 28)")
     local.wait_gpus(8)
     closed = peer.wait_events(lambda e: _about(uuid, healthy=True)(e) and e["checkName"] == "GpuHealthXid",
                               timeout=60, after=seen)[0]

@@ -274,7 +274,7 @@ def test_32_the_agent_cannot_forge_the_controllers_record_and_the_operators_cord
     assert ok, said
     # A real fault: the controller quarantines the node (the cordon is the operator's, not ours) ...
     latched = 2
-    local.signals(latched, xid_events=[79])
+    local.signals(latched, xid_events=[48])  # fatal, and a reset mends it
     _until("the controller's quarantine", lambda: _ours(local, node))
     owns = local.node_json()["metadata"]["annotations"][f"{CONTROLLER_PREFIX}/quarantine-owns"]
     assert "cordon" not in owns.split(","), owns

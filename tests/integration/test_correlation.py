@@ -379,3 +379,27 @@ def test_app_serves_metrics_probes_and_correlates(short_socket_dir: Path, dev_ro
         kubelet.stop()
         pr.stop()
     assert json.dumps(cfg.effective())  # the new options are JSON-safe for the start-up log
+
+
+def test_a_clearance_that_keeps_the_device_failing_is_not_news_for_its_pods(short_socket_dir: Path) -> None:
+    # A clearance is a transition of its own (from == to) when another reason keeps the state: the pods were told
+    # when the device entered it, and must not be told (or evicted) again for a fault that just left.
+    r = build(short_socket_dir, annotate=True, evict=True)
+    try:
+        uuids = r.node.uuids
+        r.kubelet.assign("ml", "train-0", "worker", GPU, uuids[2])
+        r.node.set(2, row_remap_failure=True, xid_events=[48])
+        assert r.backend.reload()
+        r.monitor.handle_events(r.backend.wait_events(0))
+        r.monitor.poll_once()
+        r.correlator.step(0.0)
+        assert len(r.api.of("event")) == 1 and len(r.api.of("evict")) == 1
+        assert r.monitor.clear(uuids[2], "xid-48", "reset by hand") == [(uuids[2], "xid-48")]
+        [t] = [t for t in r.state.history() if t.note]
+        assert t.from_state == t.to_state == "Unhealthy"
+        for _ in range(3):
+            r.correlator.step(0.0)
+        assert len(r.api.of("event")) == 1 and len(r.api.of("evict")) == 1 and len(r.api.of("annotate")) == 1
+    finally:
+        r.kubelet.stop()
+        r.backend.close()

@@ -30,6 +30,7 @@ class Case:
 def _setup(root: Path) -> None:
     NodeFile(root / "node.json")
     (root / "afile").write_text("not a directory\n")
+    (root / "empty").write_text("")
     (root / "adir").mkdir()
     (root / "bad.yaml").write_text("version: v1\nplugin: [\n")
     # A kubeconfig whose user authenticates through an exec plugin, which our client refuses.
@@ -68,6 +69,10 @@ CASES: dict[str, Case] = {
         {"--health-socket": "{root}/" + LONG}, says=("--health-socket", LONG, "at most 107")),
     "dev root missing": Case({"--dev-root": "{root}/nodev"}, says=("--dev-root {root}/nodev", "does not exist")),
     "dev root is a regular file": Case({"--dev-root": "{root}/afile"}, says=("--dev-root {root}/afile",)),
+    "boot id file missing": Case(
+        {"--boot-id-file": "{root}/boot_id"}, says=("--boot-id-file {root}/boot_id", "cannot read the boot id")),
+    "boot id file empty": Case(
+        {"--boot-id-file": "{root}/empty"}, says=("--boot-id-file {root}/empty", "holds no boot id")),
     "kubeconfig missing": Case(
         {"--kubeconfig": "{root}/kubeconfig"}, says=("--kubeconfig {root}/kubeconfig", "No such file")),
     # DRA mode (docs/dra.md): its own dirs, and the API access it cannot work without, checked before serving.

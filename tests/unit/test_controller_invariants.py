@@ -6,19 +6,23 @@ Rules: devices failing and recovering (with honest or forged ``since``), the sto
 vanishing and returning, Nodes leaving and joining ``--node-selector``, deletions and re-creations, an operator's
 cordons, taints and labels (including a label of the ``--quarantine-label`` key, and a taint of our key) put on and
 taken off, an agent forging the old-prefix record, 409s, a webhook's lasting 403, throttling, 410-triggered LISTs,
-the Lease lost in the middle of a step, hand-over, a replica restarting with another ``--quarantine-label``, and
-operator breaker resets.
+the Lease lost in the middle of a step, hand-over, a replica restarting with another ``--quarantine-label``,
+operator breaker resets, and an operator's release requests (with a repeat limit of 2, so that a second quarantine
+makes a repeat offender; the agent forges a request and a history under its own prefix).
 
 After every step:
 - a quarantine is only added while the quarantined count (the API's truth: Nodes carrying our record) stays within
   the limit computed from the denominator rule (GPU nodes matching the selector plus Nodes carrying our record);
 - nothing an operator put on a Node (a cordon, a taint, a label value) is taken off or changed;
-- no replica writes (Node patch, eviction, Event) while its leadership says it does not lead.
+- no replica writes (Node patch, eviction, Event) while its leadership says it does not lead;
+- a repeat offender is released, and a node's quarantine count reset, only while an operator's release request is on
+  the Node the patch was decided on (checked at every Node patch).
 The same machine runs again with three quarantine writers per replica (``Reconciler(writers=...)``, each its own
 client): there the breaker's promise is also checked at every Node patch a writer thread makes, while other writes
 are in flight, not only between steps.
-At the end (teardown): once every Node is healthy, refusals are gone, a replica leads and the clock runs past the
-hold (and the out-of-sight re-read), every quarantine is released.
+At the end (teardown): once every Node is healthy, refusals are gone, an operator asked for every repeat offender's
+release, a replica leads and the clock runs past the hold (and the out-of-sight re-read), every quarantine is
+released.
 
 Deterministic: derandomized, no example database, a bounded number of examples and steps.
 """
@@ -39,7 +43,7 @@ from plugin.controller.policy import Rules
 from plugin.controller.reconciler import OUT_OF_SIGHT_RECHECK_S, Reconciler, Settings
 from plugin.kube.errors import ApiFailure
 from tests.conftest import FakeClock
-from tests.fakes.controller_api import T0, FakeControllerApi, P, gpu_node
+from tests.fakes.controller_api import T0, FakeControllerApi, P, gpu_node, rfc
 from tests.unit.test_controller_reconciler import agent
 
 KEYS = Keys(P)
@@ -50,6 +54,8 @@ POOL = "pool"
 SELECTOR = "pool=gpu"
 LABEL_SETTINGS = ("gpu-health.io/quarantined=true", "team.example.com/owner=gpu-health")
 HOLD_S = 30.0
+REPEAT_LIMIT = 2
+PAST_OFFENDERS = ("n0", "n4")
 FRACTION = 0.34
 CAP = 2
 TAINT_KEYS = ("example.com/maintenance", KEYS.taint)
@@ -72,7 +78,8 @@ class Replica:
         self.label = m.label
         settings = Settings(keys=KEYS, rules=Rules(), recovery_hold_s=HOLD_S, no_execute_after_s=20.0,
                             cordon=True, label=self.label, max_quarantined_fraction=FRACTION,
-                            max_quarantined_nodes=CAP, identity=name)
+                            max_quarantined_nodes=CAP, identity=name, repeat_limit=REPEAT_LIMIT,
+                            repeat_window_s=86400.0)
         writers = [ReplicaApi(m.api, self) for _ in range(m.WRITERS)]
         self.rec = Reconciler(ReplicaApi(m.api, self), settings, self, clock=m.clock,  # type: ignore[arg-type]
                               writers=writers)  # type: ignore[arg-type]
@@ -147,6 +154,7 @@ class ReplicaApi:
 
     def patch_node(self, name: str, patch: dict[str, Any]) -> dict[str, Any]:
         self._check(f"patch node {name}")
+        self.replica.m.check_release(name, patch)
         answer = self.api.patch_node(name, patch)
         self.replica.m.observe()
         self.replica.m._deliver(name, react=False)  # the watch's echo reaches every replica (the writer ignores it)
@@ -196,6 +204,9 @@ class ControllerMachine(RuleBasedStateMachine):
         doc = (gpu_node(name, gpus=2, labels=labels) if name in AGENT_NODES
                else gpu_node(name, gpus=2, annotated=False, labels=labels))
         doc["metadata"]["uid"] = f"uid-{name}-{self.clock.now}"
+        if name in PAST_OFFENDERS:
+            # Quarantined once already this day: its next quarantine makes it a repeat offender (REPEAT_LIMIT 2).
+            doc["metadata"]["annotations"][KEYS.history] = rfc(self.clock.now - 3600)
         self.api.add_node(doc)
 
     def _in_selector(self, doc: dict[str, Any]) -> bool:
@@ -306,7 +317,9 @@ class ControllerMachine(RuleBasedStateMachine):
         if self._exists(name):
             self._edit(name, {"metadata": {"annotations": {
                 f"{P}/quarantined-by": CONTROLLER, f"{P}/quarantine-owns": "taint,cordon,label",
-                f"{P}/quarantine-reason": "unhealthy-devices", f"{P}/quarantine-label": LABEL_SETTINGS[1]}}})
+                f"{P}/quarantine-reason": "unhealthy-devices", f"{P}/quarantine-label": LABEL_SETTINGS[1],
+                # Its own prefix is all the admission policy lets it write: no release, no count of its own.
+                f"{P}/release": "agent", f"{P}/quarantine-history": ""}}})
 
     # The operator --------------------------------------------------------------------------------------------------
 
@@ -360,6 +373,11 @@ class ControllerMachine(RuleBasedStateMachine):
             self.op_labels[name].pop(key, None)
             if then_back:
                 self.operator_labels(name, key, then_back)
+
+    @rule(name=names)
+    def operator_requests_release(self, name: str) -> None:
+        if self._exists(name):
+            self._edit(name, {"metadata": {"annotations": {KEYS.release: "replaced the GPU"}}})
 
     @rule()
     def operator_resets_the_breaker(self) -> None:
@@ -464,6 +482,22 @@ class ControllerMachine(RuleBasedStateMachine):
                 self.violations.append(f"{sorted(now)} quarantined, the limit is {limit}")
             self.before = now
 
+    def check_release(self, name: str, patch: dict[str, Any]) -> None:
+        """At a Node patch, before the server applies it: releasing a repeat offender, or dropping the count, needs
+        the operator's request on the Node as the patch's precondition names it (a stale one gets a 409 anyway)."""
+        doc = self.api.snapshot().get(name)  # under the server's lock: writer threads patch too
+        meta = patch.get("metadata") or {}
+        if doc is None or meta.get("resourceVersion") != doc["metadata"].get("resourceVersion"):
+            return
+        have = doc["metadata"].get("annotations") or {}
+        change = meta.get("annotations") or {}
+        asked = KEYS.release in have
+        if have.get(KEYS.reason) == "repeat-offender" and KEYS.by in change and change[KEYS.by] is None \
+                and not asked:
+            self.violations.append(f"{name}: a repeat offender released without an operator's request")
+        if KEYS.history in have and KEYS.history in change and change[KEYS.history] is None and not asked:
+            self.violations.append(f"{name}: its quarantine count dropped without an operator's request")
+
     @invariant()
     def quarantines_only_within_the_limit(self) -> None:
         self.observe()
@@ -484,6 +518,12 @@ class ControllerMachine(RuleBasedStateMachine):
     def no_write_while_not_leading(self) -> None:
         assert self.api.unled_writes == []
 
+    def _run_past_the_hold(self) -> None:
+        for _ in range(int((HOLD_S + OUT_OF_SIGHT_RECHECK_S) / 5) + 30):
+            if self._leader() is None:
+                self.acquire(0)
+            self.time_passes(5.0)
+
     def teardown(self) -> None:
         """Liveness: healthy everywhere, nothing refused, a leader, the breaker reset, time past the hold."""
         self.api.refuse_patches.clear()
@@ -499,10 +539,15 @@ class ControllerMachine(RuleBasedStateMachine):
         self.watch_gone_relist()  # a resync: refusals on the old inputs get their try
         for r in self.replicas:
             r.lose_after = r.lose_during = None
-        for _ in range(int((HOLD_S + OUT_OF_SIGHT_RECHECK_S) / 5) + 30):
-            if self._leader() is None:
-                self.acquire(0)
-            self.time_passes(5.0)
+        self._run_past_the_hold()
+        # Everything is released but the repeat offenders nobody asked for (check_release saw to that); then the
+        # operator asks for those, and they go too.
+        held = {n for n in self._ours() if self.api.nodes[n]["metadata"]["annotations"].get(KEYS.reason)
+                == "repeat-offender" and KEYS.release not in self.api.nodes[n]["metadata"]["annotations"]}
+        assert self._ours() == held, {n: self.api.nodes[n]["metadata"].get("annotations") for n in self._ours()}
+        for name in held:
+            self.operator_requests_release(name)
+        self._run_past_the_hold()
         assert self._ours() == set(), {n: self.api.nodes[n]["metadata"].get("annotations") for n in self._ours()}
         self.nothing_the_operator_added_is_taken_off()
         self.no_write_while_not_leading()

@@ -202,7 +202,8 @@ def sample(rig: Rig, family: str, **labels: str) -> float:
 
 
 def flapping(rig: Rig, name: str, until: float, every: float = 5.0) -> None:
-    """Another node that fails and recovers again and again: its writes succeed all along."""
+    """Another node that fails and recovers again and again: its writes succeed all along (its rig counts no
+    repeat offenders, ``repeat_limit=0``, or the fifth quarantine would hold it)."""
     state = "Healthy"
     while rig.clock.now < until:
         state = "Unhealthy" if state == "Healthy" else "Healthy"
@@ -212,7 +213,7 @@ def flapping(rig: Rig, name: str, until: float, every: float = 5.0) -> None:
 
 def test_a_node_whose_patch_keeps_failing_backs_off_on_its_own() -> None:
     rig = Rig([gpu_node("a", {1: "Unhealthy"}), gpu_node("b"), *(gpu_node(f"ok{i}") for i in range(8))],
-              max_quarantined_fraction=1.0, recovery_hold_s=0)
+              max_quarantined_fraction=1.0, recovery_hold_s=0, repeat_limit=0)
     rig.api.refuse_patches["a"] = ApiFailure(503, "the webhook is not reachable")
     flapping(rig, "b", T0 + 600)
     tries = rig.api.calls.count("patch node a")
@@ -222,7 +223,7 @@ def test_a_node_whose_patch_keeps_failing_backs_off_on_its_own() -> None:
 
 def test_a_refused_patch_is_not_retried_until_the_node_changes_or_a_resync() -> None:
     rig = Rig([gpu_node("a", {1: "Unhealthy"}), gpu_node("b"), *(gpu_node(f"ok{i}") for i in range(8))],
-              max_quarantined_fraction=1.0, recovery_hold_s=0)
+              max_quarantined_fraction=1.0, recovery_hold_s=0, repeat_limit=0)
     rig.api.refuse_patches["a"] = ApiFailure(403, 'admission webhook "deny.example.com" denied the request')
     flapping(rig, "b", T0 + 600)
     assert rig.api.calls.count("patch node a") == 1

@@ -356,3 +356,29 @@ def test_make_reporter_from_config(tmp_path: Path) -> None:
                              {"NODE_NAME": "n"}, None), NodeState())
     assert rep is not None and rep.settings.node_name == "n" and rep.settings.condition
     assert rep.settings.prefix == "gpu.example.com"
+
+
+def test_a_clearance_at_the_first_poll_after_a_reboot_is_an_event(api: FakeApiServer, tmp_path: Path) -> None:
+    # After a reboot the first poll clears the latch before the reporter first looks: that clearance is this run's
+    # news (the operator's record of why the GPU came back), unlike a fault reloaded from the state dir.
+    from dataclasses import replace
+
+    from plugin.health.node_state import Clearance, Transition
+    from plugin.health.reasons import Action, Reason, Source
+
+    state = NodeState()
+    old = Reason("xid-79", State.UNHEALTHY, "fatal XID 79", Source.EVENT, Action.REBOOT_NODE, T0 - 600)
+    state.restore_history([Transition(7, "GPU-old", "Healthy", "Unhealthy", (old,), T0 - 600)])
+    h = Harness.__new__(Harness)
+    h.api, h.clock, h.state = api, FakeClock(1000.0), state
+    h.node = Node(state, n=8)
+    kubeconfig = api.kubeconfig(tmp_path)
+    h.rep = KubeReporter(state, ReporterSettings(node_name=NODE), lambda: KubeClient(kubeconfig), clock=h.clock,
+                         wall=lambda: T0 + h.clock.now, rng=random.Random(3))
+    g = h.node.gpus[1]
+    h.node.current[g.uuid] = replace(h.node.current[g.uuid], cleared=Clearance(("xid-79",), "node rebooted", T0))
+    h.node.publish(T0)  # the first poll, before the reporter's first look
+    h.at(1100.0)
+    [event] = list(api.events.values())
+    assert event["reason"] == "GPUFaultCleared" and event["type"] == "Normal"
+    assert "cleared xid-79: node rebooted" in event["message"] and g.uuid in event["message"]

@@ -135,15 +135,16 @@ def test_table_header_and_order(tmp_path: Path, small_fleet: Doc, capsys: pytest
                                    "breaker: closed, leader: gpu-health-controller-7d9f-abcde")
     # Oldest quarantine first, a tie broken by name; a taint without the controller's annotations last.
     assert table(out) == [
-        ["NODE", "REASON", "SINCE", "OWNS", "MESSAGE"],
-        ["gpu-c", "capacity-gap", "2026-01-01T00:01:00Z", "taint", "2 of 8 GPUs not allocatable"],
-        ["gpu-a", "unhealthy-devices", "2026-01-01T00:02:00Z", "taint", "1 of 4 devices Unhealthy"],
-        ["gpu-b", "reboot-required", "2026-01-01T00:02:00Z", "taint,cordon", "gpu.2 asks for reboot-node (xid-79)"],
-        ["gpu-d", "manual", "-", "-", "(taint without controller annotations)"],
+        ["NODE", "REASON", "SINCE", "COUNT", "OWNS", "MESSAGE"],
+        ["gpu-c", "capacity-gap", "2026-01-01T00:01:00Z", "-", "taint", "2 of 8 GPUs not allocatable"],
+        ["gpu-a", "unhealthy-devices", "2026-01-01T00:02:00Z", "-", "taint", "1 of 4 devices Unhealthy"],
+        ["gpu-b", "reboot-required", "2026-01-01T00:02:00Z", "-", "taint,cordon",
+         "gpu.2 asks for reboot-node (xid-79)"],
+        ["gpu-d", "manual", "-", "-", "-", "(taint without controller annotations)"],
     ]
     lines = out.splitlines()
     start = lines.index(next(ln for ln in lines if ln.startswith("NODE ")))
-    columns = [ln.index(h) for h in ("REASON", "SINCE", "OWNS", "MESSAGE") for ln in lines[start:start + 1]]
+    columns = [ln.index(h) for h in ("REASON", "SINCE", "COUNT", "OWNS", "MESSAGE") for ln in lines[start:start + 1]]
     for ln in lines[start + 1:]:  # aligned: every cell starts under its heading
         assert all(ln[c - 3:c] == "   " and ln[c] != " " for c in columns)
 
@@ -155,8 +156,8 @@ def test_all_adds_candidates_never_healthy_or_already_quarantined(tmp_path: Path
     rows = table(out)[1:]
     assert [r[0] for r in rows] == ["gpu-c", "gpu-a", "gpu-b", "gpu-d", "gpu-e", "gpu-g"]
     summary = agent_node("gpu-e", {0: (State.DEGRADED, "thermal-slowdown")})["metadata"]["annotations"][KEYS.summary]
-    assert rows[4] == ["gpu-e", "candidate: Degraded", "-", "-", summary]
-    assert rows[5] == ["gpu-g", "candidate: capacity-gap", "-", "-",
+    assert rows[4] == ["gpu-e", "candidate: Degraded", "-", "-", "-", summary]
+    assert rows[5] == ["gpu-g", "candidate: capacity-gap", "-", "-", "-",
                        "1 of 8 GPUs not allocatable (capacity minus allocatable)"]
     # Without --all the same fleet shows no candidates.
     assert "candidate" not in ok(capsys, "--from-file", str(write(tmp_path, "nodes.json", small_fleet)))
@@ -266,7 +267,8 @@ def test_json_is_the_same_data(tmp_path: Path, small_fleet: Doc, capsys: pytest.
                               "quarantined": 3, "blocked": 2, "reason": state.reason, "detail": None}
     assert doc["nodes"][1] == {"node": "gpu-a", "status": "quarantined", "reason": "unhealthy-devices",
                                "since": "2026-01-01T00:02:00Z", "owns": ["taint"],
-                               "message": "1 of 4 devices Unhealthy", "taints": ["NoSchedule"]}
+                               "message": "1 of 4 devices Unhealthy", "taints": ["NoSchedule"], "quarantines": 0,
+                               "quarantineHistory": [], "repeatOffender": False, "releaseRequested": None}
     assert doc["nodes"][3]["status"] == "taint-only" and doc["nodes"][4]["status"] == "candidate"
     # The rows of the table, in the same order.
     assert [n["node"] for n in doc["nodes"]] == [r[0] for r in table(text_out)[1:]]

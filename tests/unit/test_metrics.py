@@ -118,6 +118,20 @@ def test_transitions_are_counted_by_state_entered_and_leading_reason(node: Node)
     assert named(scrape(reg), "gpu_health_transitions_total") == named(s, "gpu_health_transitions_total")
 
 
+def test_a_clearance_that_keeps_the_state_is_not_counted_as_entering_it(node: Node) -> None:
+    node.monitor.poll_once()
+    reg = build_registry(Sources(node.state, node.monitor), process=False)
+    node.file.set(2, row_remap_failure=True, xid_events=[48])
+    assert node.backend.reload()
+    node.monitor.handle_events(node.backend.wait_events(0))
+    node.monitor.poll_once()
+    before = named(scrape(reg), "gpu_health_transitions_total")
+    assert sum(before.values()) == 1
+    node.monitor.clear(node.file.uuids[2], "xid-48", "reset by hand")  # Unhealthy -> Unhealthy, with a note
+    assert [t.note for t in node.state.history() if t.note]
+    assert named(scrape(reg), "gpu_health_transitions_total") == before
+
+
 def test_transitions_lost_from_a_full_history_are_counted_as_missed() -> None:
     state = NodeState(history=4)
     reg = build_registry(Sources(state), process=False)

@@ -8,6 +8,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from plugin.devices.simulated import SimulatedBackend
 from plugin.health.config import HealthConfig
 from plugin.health.monitor import Monitor
@@ -151,18 +153,26 @@ def test_saved_latches_of_a_device_missing_at_the_first_poll_are_kept(tmp_path: 
     assert [r.code for r in node.device(late).reasons] == ["xid-79"]
 
 
-def test_a_device_that_vanishes_at_run_time_keeps_its_latch_when_it_returns(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("xid", "after"), [(48, State.HEALTHY), (64, State.UNHEALTHY), (79, State.UNHEALTHY)])
+def test_a_device_that_leaves_nvml_and_returns_was_reset_only_reset_latches_clear(tmp_path: Path, xid: int,
+                                                                                    after: State) -> None:
+    # Leaving NVML and coming back while the plugin runs is what a GPU reset or driver reload looks like: the latches
+    # a reset mends (xid-48) clear, those it does not (xid-64: support; xid-79: a reboot) stay.
     uuid = gpu_doc(1)["uuid"]
     node = Node(tmp_path, [gpu_doc(0), gpu_doc(1)])
     node.poll()
-    node.change([gpu_doc(0), gpu_doc(1, xid_events=[48])])
+    node.change([gpu_doc(0), gpu_doc(1, xid_events=[xid])])
+    assert node.device(uuid).state is State.UNHEALTHY
     node.change([gpu_doc(0)])
     node.poll(advance=5)
     assert node.state.snapshot().get(uuid) is None
     node.save()
-    node.change([gpu_doc(0), gpu_doc(1, xid_events=[48])])
+    node.change([gpu_doc(0), gpu_doc(1)])
     node.poll(advance=5)
-    assert node.device(uuid).state is State.UNHEALTHY
+    assert node.device(uuid).state is after
+    if after is State.HEALTHY:
+        last = node.state.history()[-1]
+        assert last.id == uuid and "left NVML and came back" in last.note and f"xid-{xid}" in last.note
 
 
 def test_a_pcie_replay_storm_holds_for_the_rate_window_then_clears(tmp_path: Path) -> None:

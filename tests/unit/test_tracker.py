@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from plugin.devices.model import GpuEvent, Reading
 from plugin.health.config import HealthConfig
-from plugin.health.reasons import State
+from plugin.health.reasons import Clear, State
 from plugin.health.tracker import DeviceTracker
 
 OK = dict(temperature_c=40, temperature_slowdown_c=87, temperature_shutdown_c=92, recovery_action="none")
@@ -38,7 +38,7 @@ def test_reappearing_condition_restarts_the_clean_count_and_keeps_first_seen() -
 def test_fatal_xid_is_latched_until_reset_seen() -> None:
     t = DeviceTracker("g", HealthConfig())
     poll(t, 0)
-    t.observe_event(GpuEvent("g", "xid", 79, 1))
+    t.observe_event(GpuEvent("g", "xid", 48, 1))
     for i in range(2, 50):
         assert poll(t, i * 1000.0) == State.UNHEALTHY  # no hold time for fatal: polls do not heal it
     # The driver asks for a reset, then the action returns to none: the reset happened.
@@ -89,13 +89,15 @@ def test_failed_reads_do_not_count_as_clean_polls() -> None:
     assert poll(t, 2) == State.HEALTHY
 
 
-def test_lost_gpu_answering_again_clears_latches() -> None:
+def test_lost_gpu_answering_again_clears_the_latches_a_reset_mends() -> None:
     t = DeviceTracker("g", HealthConfig())
-    t.observe_event(GpuEvent("g", "xid", 79, 0))
+    t.observe_event(GpuEvent("g", "xid", 48, 0))
     t.observe_reading(Reading(time=1, lost=True))
     assert t.update(1)[0] == State.UNHEALTHY
-    assert t.observe_reading(Reading(time=2, **OK)) is True  # type: ignore[arg-type]
+    applied = t.observe_reading(Reading(time=2, **OK))  # type: ignore[arg-type]
+    assert [kind for kind, _ in applied] == [Clear.RESET]
     assert t.update(2)[0] == State.HEALTHY
+    assert t.cleared is not None and t.cleared.codes == ("xid-48",) and "answers again" in t.cleared.why
 
 
 def test_flapping_device_holds_its_worst_state_for_the_backoff() -> None:

@@ -71,6 +71,8 @@ class DeviceStatus(_message.Message):
     KUBELET_HEALTH_FIELD_NUMBER: _builtins.int
     INDEX_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
+    CLEARED_FIELD_NUMBER: _builtins.int
+    CLEARED_AT_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """GPU UUID (or derived device id)"""
     state: _builtins.str
@@ -81,6 +83,12 @@ class DeviceStatus(_message.Message):
     """what ListAndWatch reports: Healthy or Unhealthy"""
     index: _builtins.int
     name: _builtins.str
+    cleared: _builtins.str
+    """The device's latest clearance while it is recent: "cleared xid-79: node rebooted", "" when none. A clearance
+    is a fault taken off by a reboot, a GPU reset, the operator (Clear) or a passing recovery check.
+    """
+    cleared_at: _builtins.float
+    """unix seconds of that clearance; 0 when none"""
     @_builtins.property
     def reasons(self) -> _containers.RepeatedCompositeFieldContainer[Global___Reason]: ...
     def __init__(
@@ -93,10 +101,12 @@ class DeviceStatus(_message.Message):
         kubelet_health: _builtins.str = ...,
         index: _builtins.int = ...,
         name: _builtins.str = ...,
+        cleared: _builtins.str = ...,
+        cleared_at: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "index", b"index", "kubelet_health", b"kubelet_health", "name", b"name", "reasons", b"reasons", "since", b"since", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cleared", b"cleared", "cleared_at", b"cleared_at", "id", b"id", "index", b"index", "kubelet_health", b"kubelet_health", "name", b"name", "reasons", b"reasons", "since", b"since", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -201,11 +211,16 @@ class Transition(_message.Message):
     TO_STATE_FIELD_NUMBER: _builtins.int
     REASONS_FIELD_NUMBER: _builtins.int
     TIME_FIELD_NUMBER: _builtins.int
+    NOTE_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     id: _builtins.str
     from_state: _builtins.str
     to_state: _builtins.str
     time: _builtins.float
+    note: _builtins.str
+    """The clearance that caused this transition ("cleared xid-79 by the operator: reseated"), "" for any other. A
+    clearance that leaves the state as it was still makes a transition, with from_state == to_state.
+    """
     @_builtins.property
     def reasons(self) -> _containers.RepeatedCompositeFieldContainer[Global___Reason]: ...
     def __init__(
@@ -217,10 +232,11 @@ class Transition(_message.Message):
         to_state: _builtins.str = ...,
         reasons: _abc.Iterable[Global___Reason] | None = ...,
         time: _builtins.float = ...,
+        note: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_state", b"from_state", "id", b"id", "reasons", b"reasons", "seq", b"seq", "time", b"time", "to_state", b"to_state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_state", b"from_state", "id", b"id", "note", b"note", "reasons", b"reasons", "seq", b"seq", "time", b"time", "to_state", b"to_state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -254,3 +270,79 @@ class WatchEvent(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 
 Global___WatchEvent: _TypeAlias = WatchEvent  # noqa: Y015
+
+@_typing.final
+class ClearRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEVICE_FIELD_NUMBER: _builtins.int
+    ALL_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    NOTE_FIELD_NUMBER: _builtins.int
+    device: _builtins.str
+    """A GPU UUID, a MIG device UUID or a GPU index ("3"). Exactly one of device and all."""
+    all: _builtins.bool
+    """every device"""
+    reason: _builtins.str
+    """one reason code to clear (xid-79); "" for every clearable reason"""
+    note: _builtins.str
+    """why, for the history and the Event: required, printable, at most 256 characters"""
+    def __init__(
+        self,
+        *,
+        device: _builtins.str = ...,
+        all: _builtins.bool = ...,
+        reason: _builtins.str = ...,
+        note: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["all", b"all", "device", b"device", "note", b"note", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClearRequest: _TypeAlias = ClearRequest  # noqa: Y015
+
+@_typing.final
+class Cleared(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """the device cleared"""
+    code: _builtins.str
+    """the reason code taken off it"""
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        code: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "id", b"id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Cleared: _TypeAlias = Cleared  # noqa: Y015
+
+@_typing.final
+class ClearResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLEARED_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def cleared(self) -> _containers.RepeatedCompositeFieldContainer[Global___Cleared]: ...
+    def __init__(
+        self,
+        *,
+        cleared: _abc.Iterable[Global___Cleared] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cleared", b"cleared"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClearResponse: _TypeAlias = ClearResponse  # noqa: Y015

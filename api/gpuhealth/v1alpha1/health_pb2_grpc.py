@@ -44,6 +44,11 @@ class DeviceHealthStub:
                 request_serializer=api_dot_gpuhealth_dot_v1alpha1_dot_health__pb2.WatchRequest.SerializeToString,
                 response_deserializer=api_dot_gpuhealth_dot_v1alpha1_dot_health__pb2.WatchEvent.FromString,
                 _registered_method=True)
+        self.Clear = channel.unary_unary(
+                '/gpuhealth.v1alpha1.DeviceHealth/Clear',
+                request_serializer=api_dot_gpuhealth_dot_v1alpha1_dot_health__pb2.ClearRequest.SerializeToString,
+                response_deserializer=api_dot_gpuhealth_dot_v1alpha1_dot_health__pb2.ClearResponse.FromString,
+                _registered_method=True)
 
 
 class DeviceHealthServicer:
@@ -61,6 +66,16 @@ class DeviceHealthServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Clear(self, request, context):
+        """Take latched or held faults off a device once they are fixed. The errors: INVALID_ARGUMENT for a request that
+        is wrong as written (no device, a bad note, a malformed reason code), NOT_FOUND for a device or reason the node
+        does not have, FAILED_PRECONDITION while the condition is still present (a polled fault still seen, a lost GPU
+        still lost). Whoever can reach the socket can clear: it is node-local, mode 0660 in the state dir.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DeviceHealthServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -73,6 +88,11 @@ def add_DeviceHealthServicer_to_server(servicer, server):
                     servicer.Watch,
                     request_deserializer=api_dot_gpuhealth_dot_v1alpha1_dot_health__pb2.WatchRequest.FromString,
                     response_serializer=api_dot_gpuhealth_dot_v1alpha1_dot_health__pb2.WatchEvent.SerializeToString,
+            ),
+            'Clear': grpc.unary_unary_rpc_method_handler(
+                    servicer.Clear,
+                    request_deserializer=api_dot_gpuhealth_dot_v1alpha1_dot_health__pb2.ClearRequest.FromString,
+                    response_serializer=api_dot_gpuhealth_dot_v1alpha1_dot_health__pb2.ClearResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -129,6 +149,33 @@ class DeviceHealth:
             '/gpuhealth.v1alpha1.DeviceHealth/Watch',
             api_dot_gpuhealth_dot_v1alpha1_dot_health__pb2.WatchRequest.SerializeToString,
             api_dot_gpuhealth_dot_v1alpha1_dot_health__pb2.WatchEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Clear(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpuhealth.v1alpha1.DeviceHealth/Clear',
+            api_dot_gpuhealth_dot_v1alpha1_dot_health__pb2.ClearRequest.SerializeToString,
+            api_dot_gpuhealth_dot_v1alpha1_dot_health__pb2.ClearResponse.FromString,
             options,
             channel_credentials,
             insecure,

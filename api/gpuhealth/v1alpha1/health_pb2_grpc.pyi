@@ -35,12 +35,24 @@ class DeviceHealthStub:
     def __new__(cls, channel: _aio.Channel) -> DeviceHealthAsyncStub: ...
     List: _grpc.UnaryUnaryMultiCallable[_health_pb2.ListRequest, _health_pb2.ListResponse]
     Watch: _grpc.UnaryStreamMultiCallable[_health_pb2.WatchRequest, _health_pb2.WatchEvent]
+    Clear: _grpc.UnaryUnaryMultiCallable[_health_pb2.ClearRequest, _health_pb2.ClearResponse]
+    """Take latched or held faults off a device once they are fixed. The errors: INVALID_ARGUMENT for a request that
+    is wrong as written (no device, a bad note, a malformed reason code), NOT_FOUND for a device or reason the node
+    does not have, FAILED_PRECONDITION while the condition is still present (a polled fault still seen, a lost GPU
+    still lost). Whoever can reach the socket can clear: it is node-local, mode 0660 in the state dir.
+    """
 
 @_typing.type_check_only
 class DeviceHealthAsyncStub(DeviceHealthStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     List: _aio.UnaryUnaryMultiCallable[_health_pb2.ListRequest, _health_pb2.ListResponse]  # type: ignore[assignment]
     Watch: _aio.UnaryStreamMultiCallable[_health_pb2.WatchRequest, _health_pb2.WatchEvent]  # type: ignore[assignment]
+    Clear: _aio.UnaryUnaryMultiCallable[_health_pb2.ClearRequest, _health_pb2.ClearResponse]  # type: ignore[assignment]
+    """Take latched or held faults off a device once they are fixed. The errors: INVALID_ARGUMENT for a request that
+    is wrong as written (no device, a bad note, a malformed reason code), NOT_FOUND for a device or reason the node
+    does not have, FAILED_PRECONDITION while the condition is still present (a polled fault still seen, a lost GPU
+    still lost). Whoever can reach the socket can clear: it is node-local, mode 0660 in the state dir.
+    """
 
 class DeviceHealthServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -56,5 +68,17 @@ class DeviceHealthServicer(metaclass=_abc_1.ABCMeta):
         request: _health_pb2.WatchRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_health_pb2.WatchEvent], _abc.AsyncIterator[_health_pb2.WatchEvent]]: ...
+
+    @_abc_1.abstractmethod
+    def Clear(
+        self,
+        request: _health_pb2.ClearRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_health_pb2.ClearResponse, _abc.Awaitable[_health_pb2.ClearResponse]]:
+        """Take latched or held faults off a device once they are fixed. The errors: INVALID_ARGUMENT for a request that
+        is wrong as written (no device, a bad note, a malformed reason code), NOT_FOUND for a device or reason the node
+        does not have, FAILED_PRECONDITION while the condition is still present (a polled fault still seen, a lost GPU
+        still lost). Whoever can reach the socket can clear: it is node-local, mode 0660 in the state dir.
+        """
 
 def add_DeviceHealthServicer_to_server(servicer: DeviceHealthServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

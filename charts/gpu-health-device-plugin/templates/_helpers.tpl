@@ -55,6 +55,19 @@ app.kubernetes.io/component: controller
 {{- end -}}
 
 {{/*
+The one annotation prefix of a release (plugin.annotationPrefix, the plugin's own default otherwise): the plugin
+writes under it, the admission policy lets it write there, the fleet controller reads it and taints with
+<prefix>/quarantine, and the DaemonSet tolerates that taint. Set anywhere else (a flag in extraArgs) they would part.
+*/}}
+{{- define "gpu-health.annotationPrefix" -}}
+{{- .Values.plugin.annotationPrefix | default "gpu-health.io" -}}
+{{- end -}}
+
+{{- define "gpu-health.quarantineTaint" -}}
+{{- printf "%s/quarantine" (include "gpu-health.annotationPrefix" .) -}}
+{{- end -}}
+
+{{/*
 The plugin's config file. Only what the values set is written, so the file stays as short as manifests/base's;
 the switches (cdi, node condition, cluster reporting, remediation) are flags in the DaemonSet, as in the
 components, because flags win over the file.
@@ -69,7 +82,10 @@ components, because flags win over the file.
 {{- end -}}
 
 {{- define "gpu-health.controller.configFile" -}}
-{{- toYaml (merge (dict "version" "v1") (deepCopy .Values.controller.config)) -}}
+{{- $doc := merge (dict "version" "v1") (deepCopy .Values.controller.config) -}}
+{{- /* Only a prefix moved off the default is written, so the default file stays components/controller's. */ -}}
+{{- if .Values.plugin.annotationPrefix }}{{ $_ := set $doc "annotationPrefix" .Values.plugin.annotationPrefix }}{{ end -}}
+{{- toYaml $doc -}}
 {{- end -}}
 
 {{/*
@@ -114,6 +130,13 @@ would be silently ignored by the plugin or refused by it at start on every node.
 {{- range list "--mode" "--dra-plugin-dir" "--dra-registry-dir" "--cdi-spec-dir" "--nvsentinel-socket" "--device-api-socket" }}
 {{- if or (eq $arg .) (hasPrefix (printf "%s=" .) $arg) }}
 {{- fail (printf "extraArgs: %s is set by the chart (mode, hostPaths, nvsentinel, deviceApi), not by extraArgs" .) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- range $where, $args := dict "extraArgs" $v.extraArgs "controller.extraArgs" $v.controller.extraArgs }}
+{{- range $arg := $args }}
+{{- if or (eq $arg "--annotation-prefix") (hasPrefix "--annotation-prefix=" $arg) }}
+{{- fail (printf "%s: --annotation-prefix is set by the chart from plugin.annotationPrefix (the plugin, the admission policy, the controller and the quarantine toleration share it), not by extraArgs" $where) }}
 {{- end }}
 {{- end }}
 {{- end }}

@@ -92,10 +92,12 @@ class TransitionCollector:
                 self._seq = now_seq
                 batch = []
             for t in batch:
+                self._seq = t.seq
+                if t.from_state == t.to_state:
+                    continue  # a clearance that kept the state entered nothing
                 code = label_code(t.reasons[0].code) if t.reasons else "none"
                 key = (t.to_state, code)
                 self._counts[key] = self._counts.get(key, 0) + 1
-                self._seq = t.seq
             return dict(self._counts), self._missed
 
     def collect(self) -> Iterable[Family]:

@@ -310,6 +310,40 @@ def test_release_after_the_hold_takes_back_only_what_it_added(apiserver: Any, ru
     assert [t["key"] for t in node["spec"]["taints"]] == ["example.com/maintenance"]
 
 
+def test_a_repeat_offender_is_held_until_the_operator_asks(apiserver: Any, run_controller: Any) -> None:
+    """Issue 34: with a repeat limit of 2, the second quarantine holds the node past the hold; the operator's
+    request (an annotation under the controller's prefix, as `kubectl gpu-health fleet release` writes it) releases
+    it and resets the count, on a real API server's merge patches."""
+    own = f"controller.{PREFIX}"
+    fleet = Fleet(apiserver, "repeat")
+    node = fleet.node("n")
+    fleet.fail(node)
+    run_controller(fleet, {**FAST, "release": {"recoveryHold": "2s", "repeatLimit": 2, "repeatWindow": "1h"}})
+    wait(lambda: fleet.quarantine_of(node), 30, "first quarantine")
+    assert fleet.quarantine_of(node)["reason"] == "unhealthy-devices"  # type: ignore[index]
+    fleet.heal(node)
+    wait(lambda: fleet.quarantine_of(node) is None, 30, "first release")
+    assert len(fleet.get(node)["metadata"]["annotations"][f"{own}/quarantine-history"].split(",")) == 1
+
+    fleet.fail(node)
+    wait(lambda: fleet.quarantine_of(node), 30, "second quarantine")
+    q = fleet.quarantine_of(node)
+    assert q is not None and q["reason"] == "repeat-offender"
+    assert [t["value"] for t in q["taints"]] == ["repeat-offender"]
+    fleet.heal(node)
+    wait(lambda: fleet.events(node, "GPUNodeRepeatOffender"), 30, "the hold said")
+    time.sleep(3)  # an absence cannot be awaited: past another hold (2 s), it must still be held
+    assert fleet.quarantine_of(node) is not None
+
+    ok(apiserver.request("PATCH", f"/api/v1/nodes/{node}",
+                         {"metadata": {"annotations": {f"{own}/release": "replaced the board"}}},
+                         content_type="application/merge-patch+json"))
+    wait(lambda: fleet.quarantine_of(node) is None, 30, "released at the operator's request")
+    ann = fleet.get(node)["metadata"]["annotations"]
+    assert f"{own}/quarantine-history" not in ann and f"{own}/release" not in ann
+    assert any("replaced the board" in e["message"] for e in fleet.events(node, "GPUNodeReleased"))
+
+
 def test_breaker_quarantines_up_to_the_limit_under_a_correlated_failure(apiserver: Any, run_controller: Any
                                                                         ) -> None:
     fleet = Fleet(apiserver, "breaker")
