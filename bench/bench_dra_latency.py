@@ -2,9 +2,9 @@
 """DRA driver mode (docs/dra.md): how long a fatal GPU fault takes to reach the two places DRA shows it, on the real
 local cluster (scripts/local-cluster) with the plugin deployed as the DaemonSet in ``--mode dra``. Needs root.
 
-One pod holds a ResourceClaim for all 8 GPUs. Then, --faults times, XID 79 is written into one GPU's signals in the
-simulated node file (rotating the GPUs), and two background `kubectl get --watch -o json` streams (timestamped on
-arrival) give
+One pod holds a ResourceClaim for all 8 GPUs. Then, --faults times, XID 48 (reset-gpu) is written into one GPU's
+signals in the simulated node file (rotating the GPUs), and two background `kubectl get --watch -o json` streams
+(timestamped on arrival) give
 
     (a) t0 -> the device in the node's ResourceSlice carries the taint gpu-health.io/unhealthy (NoSchedule)
     (b) t0 -> the pod's allocatedResourcesStatus shows the device Unhealthy with our reason as the message
@@ -116,9 +116,9 @@ def run_faults(c: Cluster, info: Obj, faults: int, ns: str, gpus: list[int] | No
             slice_w.wait_for(untainted(i), 0.0, what=f"gpu-{i} untainted before the first fault")
         for k in range(faults):
             i = order[k % len(order)]
-            t0 = nf.signals(i, xid_events=[79])
+            t0 = nf.signals(i, xid_events=[48])
             ta = slice_w.wait_for(tainted(i, "gpu-health.io/unhealthy"), t0, WAIT_S, f"fault {k}: taint")
-            tb = pod_w.wait_for(shows(i, "Unhealthy", "xid-79"), t0, WAIT_S, f"fault {k}: pod status")
+            tb = pod_w.wait_for(shows(i, "Unhealthy", "xid-48"), t0, WAIT_S, f"fault {k}: pod status")
             t_ask = nf.signals(i, recovery_action="gpu_reset")
             # The plugin must have seen the reset asked for before the latch may clear (the node annotation).
             node_w.wait_for(recovery_asked(i), t_ask, WAIT_S, f"fault {k}: recovery action seen")

@@ -4,7 +4,7 @@
     python bench/bench_health.py                     # everything, prints JSON
     python bench/bench_health.py --events 200 --idle-seconds 60 --transitions 100000
 
-- event (XID 79 from NVML's event set) to the ListAndWatch message that shows the GPU Unhealthy, and to the health
+- event (XID 48 from NVML's event set) to the ListAndWatch message that shows the GPU Unhealthy, and to the health
   stream's transition, p50/p99 (200 events, each GPU reset in between through the recovery-action path);
 - polled fault (NVLink down) to ListAndWatch with a 0.5 s poll interval, against the interval + 10 ms budget;
 - poll cost: CPU per GPU per poll cycle (fake NVML and simulated backend);
@@ -117,7 +117,7 @@ def bench_events(n: int) -> dict[str, Any]:
         g = i % 8
         uuid = f"GPU-fake-{g}"
         t0 = time.perf_counter()
-        nv.inject_event(g, 0x8, 79)
+        nv.inject_event(g, 0x8, 48)  # reset-gpu: the reset below clears it (XID 79 waits for a reboot)
         t_law, law_pos = law.wait(lambda m, u=uuid: law_health(m, u) == "Unhealthy", law_pos)  # type: ignore
         t_w, watch_pos = watch.wait(lambda m, u=uuid: m.transition.id == u and m.transition.to_state == "Unhealthy",
                                     watch_pos)  # type: ignore[misc]

@@ -4,8 +4,8 @@
 status.containerStatuses[].allocatedResourcesStatus, and the plugin's node annotation. Needs root.
 
 The cluster is brought up and the plugin deployed as the DaemonSet from its own image; one pod holds all 8 GPUs.
-Then, --faults times, XID 79 is written into one GPU's signals in the simulated node file (rotating the GPUs),
-and three background `kubectl get --watch -o json` streams (timestamped on arrival) give
+Then, --faults times, XID 48 (reset-gpu) is written into one GPU's signals in the simulated node file (rotating the
+GPUs), and three background `kubectl get --watch -o json` streams (timestamped on arrival) give
 
     (a) t0 -> Node allocatable nvidia.com/gpu 8 -> 7     floor: the kubelet's node-status period
     (b) t0 -> the pod's allocatedResourcesStatus shows that device Unhealthy
@@ -227,7 +227,7 @@ def run_faults(c: lc.Cluster, info: Obj, faults: int) -> Obj:
         for k in range(faults):
             i = k % 8
             uuid = nf.uuid(i)
-            t0 = nf.signals(i, xid_events=[79])
+            t0 = nf.signals(i, xid_events=[48])
             ta = node_w.wait_for(lambda n: allocatable(n) == 7, t0, what=f"fault {k}: allocatable 7")
             tb = pod_w.wait_for(device_is(uuid, "Unhealthy"), t0, what=f"fault {k}: pod device Unhealthy")
             tc = node_w.wait_for(state_is(i, "Unhealthy"), t0, what=f"fault {k}: annotation Unhealthy")
