@@ -20,7 +20,6 @@ from tests.e2e.test_stories_dra import (
     _delete,
     _plugin_log,
     _pod_health,
-    _slice,
     run_two_of_one_island,
 )
 
@@ -72,7 +71,7 @@ def test_26_helm_install_in_dra_mode_publishes_the_slice_and_a_claim_of_its_devi
     [pod] = local.plugin_pods()
     assert "--mode=dra" in pod["spec"]["containers"][0]["args"]
     assert all(c["ready"] for c in pod["status"]["containerStatuses"])
-    s = until("the node's ResourceSlice", lambda: _slice(local), timeout=120)
+    s = until("the node's ResourceSlice", local.resource_slice, timeout=120)
     assert sorted(d["name"] for d in s["spec"]["devices"]) == [f"gpu-{i}" for i in range(8)]
     assert not any(d.get("taints") for d in s["spec"]["devices"])
     assert "registered with the kubelet" in _plugin_log(local)
@@ -96,7 +95,7 @@ def test_27_helm_uninstall_in_dra_mode_leaves_nothing_of_the_release(local: Loca
     until("the plugin pods gone", lambda: not local.plugin_pods(), timeout=120)
     # The kubelet deletes a driver's ResourceSlices 30 s after its last plugin went (docs/dra.md, "Restarts and
     # uninstall"): nothing is left for the scheduler to hand out.
-    until("the kubelet to wipe the ResourceSlice", lambda: _slice(local) is None, timeout=120)
+    until("the kubelet to wipe the ResourceSlice", lambda: local.resource_slice() is None, timeout=120)
     assert not list(local.c.layout.cdi_dir.glob(f"{DRIVER}-*.json"))
     # Left on the Node, as docs/deploy.md says of every uninstall: the annotations the plugin wrote (it cannot tell
     # an uninstall from a restart); no node condition, which local-cluster-dra's values turn off. The documented
