@@ -278,14 +278,19 @@ class Reconciler:
         if not f.name:
             return ""
         old = self.entries.get(f.name)
-        if old is not None and not force and _older(f.resource_version, old.facts.resource_version):
+        stale = old is not None and _older(f.resource_version, old.facts.resource_version)
+        if stale and not force:
             return ""  # the echo of a write whose answer we already hold, or an older event still in flight
         sighted = watched and old is not None and not old.watched
         if sighted:
             assert old is not None
             old.watched = True
-        if old is not None and old.facts.decision_key() == f.decision_key():
-            old.facts = f  # only the version moved (a heartbeat): nothing to decide
+        # A LIST page is a snapshot taken when the LIST began: a quarantine that landed since (its answer, its
+        # echo) is newer, and storing the page over it would free its slot in the breaker. The cached facts stand;
+        # the node still counts as listed.
+        if old is not None and (stale or old.facts.decision_key() == f.decision_key()):
+            if not stale:
+                old.facts = f  # only the version moved (a heartbeat): nothing to decide
             if sighted:
                 self._count(f.name)
             if old.refusal is not None and old.refusal[1] != self._lists:

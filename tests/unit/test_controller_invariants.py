@@ -414,6 +414,26 @@ class ControllerMachine(RuleBasedStateMachine):
             r.rec.replace(self.api.list_nodes(SELECTOR)[0])
         self._step_all()
 
+    @rule(failing=st.lists(names, unique=True, min_size=1, max_size=3))
+    def a_list_while_quarantines_land(self, failing: list[str]) -> None:
+        """A resync LIST whose snapshot is taken before some Nodes fail and whose page arrives after the workers
+        quarantined them (issue 35): the page is older than what the writes' answers showed."""
+        snapshot = self.api.list_nodes(SELECTOR)[0]
+        for r in self.replicas:
+            r.rec.begin_list()
+        for name in failing:
+            if not self._exists(name):
+                continue
+            if name in AGENT_NODES:
+                agent(self.api, name, {0: "Unhealthy"}, self.clock.now)
+            else:
+                self.api.edit(name, {"status": {"allocatable": {"nvidia.com/gpu": "1"}}})
+            self._deliver(name)
+        for r in self.replicas:
+            r.rec.list_page(copy.deepcopy(snapshot))
+            r.rec.end_list()
+        self._step_all()
+
     # Time, leadership, processes -----------------------------------------------------------------------------------
 
     @rule(seconds=st.sampled_from((20.0, 1.0, 5.0, 45.0, 75.0)))

@@ -332,3 +332,41 @@ def test_a_write_answer_older_than_what_the_watch_delivered_neither_overwrites_i
     assert cached.node_state == "Healthy"
     rig.run_until(T0 + 1)
     assert rig.quarantined() == []
+
+
+# A resync LIST that quarantines overtake (issue 35, 2) ----------------------------------------------------------
+
+
+def test_a_resync_page_older_than_a_quarantine_that_landed_during_the_list_neither_frees_its_slot_nor_blocks_it() -> \
+        None:
+    # The LIST's snapshot is taken before n0's quarantine lands; its page arrives after. Stored over the newer facts,
+    # it showed n0 as never quarantined: its slot looked free, n1 took it (two quarantined under a limit of one), and
+    # n0 itself got a false GPUQuarantineBlocked.
+    rig = Rig(stock_fleet(), max_quarantined_nodes=1, recovery_hold_s=60)
+    snapshot = [rig.node(f"n{i}") for i in range(10)]
+    gap(rig, "n0", 7)
+    rig.step()
+    assert rig.quarantined() == ["n0"]
+    rig.rec.begin_list()
+    rig.rec.list_page(snapshot)
+    rig.rec.end_list()
+    assert rig.rec.entries["n0"].facts.quarantine is not None
+    gap(rig, "n1", 6)
+    rig.run_until(T0 + 300)
+    assert rig.quarantined() == ["n0"]
+    assert rig.rec.counts()["quarantined"] == 1
+    blocked = [e["involvedObject"]["name"] for e in rig.events("GPUQuarantineBlocked")
+               if e["involvedObject"]["kind"] == "Node"]
+    assert blocked == ["n1"]
+
+
+def test_a_resync_page_older_than_the_cache_still_counts_as_listed() -> None:
+    # Kept facts must not make the node look gone: end_list forgets what the LIST did not name.
+    rig = Rig(stock_fleet(3), recovery_hold_s=60)
+    snapshot = [rig.node(f"n{i}") for i in range(3)]
+    rig.agent("n2", {1: "Degraded"}, since=T0)
+    rig.rec.begin_list()
+    rig.rec.list_page(snapshot)
+    rig.rec.end_list()
+    assert sorted(rig.rec.entries) == ["n0", "n1", "n2"]
+    assert rig.rec.entries["n2"].facts.resource_version == rig.node("n2")["metadata"]["resourceVersion"]
