@@ -162,9 +162,10 @@ def _nodes(args: argparse.Namespace, selector: str = "") -> list[dict[str, Any]]
     return [n for n in items if isinstance(n, dict) and n.get("kind", "Node") == "Node"]
 
 
-def collect(nodes: list[dict[str, Any]], prefix: str, node_globs: Sequence[str],
-            states: set[str]) -> tuple[list[DeviceEntry], list[str]]:
-    """Matching device entries, and the matching nodes that carry no annotations of ours."""
+def collect(nodes: list[dict[str, Any]], prefix: str, node_globs: Sequence[str], states: set[str],
+            unreadable: list[str] | None = None) -> tuple[list[DeviceEntry], list[str]]:
+    """Matching device entries, and the matching nodes that carry no annotations of ours. ``unreadable`` gets one
+    line per value past the codec's bounds (left out of the entries)."""
     entries: list[DeviceEntry] = []
     silent: list[str] = []
     for n in sorted(nodes, key=lambda n: str(n.get("metadata", {}).get("name", ""))):
@@ -173,6 +174,8 @@ def collect(nodes: list[dict[str, Any]], prefix: str, node_globs: Sequence[str],
         if node_globs and not any(fnmatch.fnmatchcase(name, g) for g in node_globs):
             continue
         agent = decode(meta.get("annotations") or {}, prefix, name)
+        if unreadable is not None:
+            unreadable += [f"{name}: {prefix}/{u.key}: {u.why}" for u in agent.unreadable]
         if not agent.annotated:
             silent.append(name)
             continue
@@ -313,10 +316,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         prefix = check_prefix(args.prefix)
         states = _states(args.state)
-        entries, silent = collect(_nodes(args, args.selector), prefix, args.node, states)
+        unreadable: list[str] = []
+        entries, silent = collect(_nodes(args, args.selector), prefix, args.node, states, unreadable)
     except (ValueError, RuntimeError, OSError) as exc:
         print(f"kubectl gpu-health: {exc}", file=sys.stderr)
         return 1
+    for line in unreadable:
+        print(f"kubectl gpu-health: left out, not what an agent writes: {line}", file=sys.stderr)
     if args.output == "json":
         print(json.dumps({"devices": [_entry_json(e) for e in entries], "nodesWithoutData": silent}, indent=2))
         return 0

@@ -28,6 +28,8 @@ class ControllerCollector:
         for reason, n in sorted(self.r.quarantined_by_reason().items()):
             q.add_metric([reason], n)
         yield q
+        yield GaugeFamily(P + "unreadable_nodes", "GPU nodes whose node agent annotations cannot be read (a value "
+                          "past the codec's bounds): neither quarantined nor released on them", c["unreadable"])
         yield GaugeFamily(P + "candidate_nodes", "GPU nodes a rule fires for that are not quarantined (the breaker "
                           "holds them back, or a write is pending)", c["candidates"])
         yield GaugeFamily(P + "quarantine_limit", "the most GPU nodes the breaker lets be quarantined now: the "
@@ -64,7 +66,8 @@ class ControllerCollector:
 
 class ControllerProbes:
     """``/healthz``: the watch and reconcile threads are alive and the reconcile loop went round lately.
-    ``/readyz``: the Node cache is filled (leader or standby alike: a standby must be ready to take over)."""
+    ``/readyz``: the Node cache is filled and its feed not failing (leader or standby alike: a standby must be ready
+    to take over)."""
 
     def __init__(self, reconciler: Reconciler, watcher: NodeWatcher, stall_s: float = 180.0,
                  clock: Callable[[], float] = time.time) -> None:
@@ -87,5 +90,8 @@ class ControllerProbes:
         if not self.r.synced:
             why = f": {self.w.last_error}" if self.w.last_error else ""
             return False, f"node cache not synced yet{why}"
+        if self.w.last_error:
+            # The last LIST or watch failed and none has gone through since: the cache may be going stale.
+            return False, f"node watch failing: {self.w.last_error}"
         c = self.r.counts()
         return True, f"ok: {c['gpu_nodes']} GPU nodes, {c['quarantined']} quarantined"

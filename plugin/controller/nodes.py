@@ -191,6 +191,9 @@ class NodeFacts:
     # None: none). Both are under the controller's own prefix, where the agent cannot write.
     history: str = ""
     release_request: str | None = None
+    # Why the agent's annotations cannot be read ("" when they can): a value past the codec's bounds, which only
+    # a broken or hostile agent writes. The rules then neither quarantine nor release the node on a guess.
+    unreadable: str = ""
 
     @property
     def is_gpu_node(self) -> bool:
@@ -210,7 +213,7 @@ class NodeFacts:
         label counts: an operator's relabelling may be what lets a refused write through (an admission policy)."""
         return (self.gpu_capacity, self.gpu_allocatable, self.annotated, self.node_state, self.devices,
                 self.device_total, self.taints, self.unschedulable, self.labels, self.quarantine,
-                self.foreign_taint, self.history, self.release_request)
+                self.foreign_taint, self.history, self.release_request, self.unreadable)
 
 
 def parse_time(value: object) -> float | None:
@@ -298,6 +301,11 @@ def facts_of(node: Mapping[str, Any], keys: Keys) -> NodeFacts:
                                 label=_text(annotations.get(keys.label, "")))
     has_taint = any(t.get("key") == keys.taint for t in taints)
     name = str(meta.get("name") or "")
+    unreadable = ""
+    if agent.unreadable:
+        first = agent.unreadable[0]
+        more = len(agent.unreadable) - 1
+        unreadable = f"{keys.prefix}/{first.key}: {first.why}" + (f" (+{more} more)" if more else "")
     return NodeFacts(
         name=name, uid=str(meta.get("uid") or ""),
         resource_version=str(meta.get("resourceVersion") or ""),
@@ -310,6 +318,7 @@ def facts_of(node: Mapping[str, Any], keys: Keys) -> NodeFacts:
         foreign_taint=has_taint and quarantine is None,
         history=str(annotations.get(keys.history) or ""),
         release_request=None if keys.release not in annotations else str(annotations[keys.release]),
+        unreadable=unreadable,
     )
 
 

@@ -11,7 +11,8 @@ Rules, each naming its reason code (the taint's value):
   unhealthy.
 
 A node on which no GPU can be seen (no device entries and no GPU capacity) is never fit: releasing it would be a
-guess.
+guess. Nor is a node whose agent wrote a value no agent writes (past the codec's bounds): no rule fires for it
+either, so such a value neither quarantines a node nor releases one.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ class Assessment:
 
 
 def assess(f: NodeFacts, rules: Rules) -> Assessment:
+    if f.unreadable:
+        return Assessment(None, f"annotations unreadable: {f.unreadable}", False)
     if f.annotated:
         return _annotated(f, rules)
     if f.gpu_capacity <= 0:

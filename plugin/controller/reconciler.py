@@ -59,6 +59,7 @@ DRAIN_RECHECK_S = 10.0  # how often a drain looks again at pods it could not evi
 # How often a Node we hold quarantined but no longer see through the watch (it left --node-selector, or a LIST went
 # without it) is read again by name: the only way to learn that it recovered, or that it is gone (404).
 OUT_OF_SIGHT_RECHECK_S = 60.0
+UNREADABLE_LOG_S = 60.0  # the log line about Nodes whose agent annotations cannot be read, at most this often
 LOST_RETRY_S = 5.0  # a Node the Lease names as ours and out of sight, whose read by name failed: try again soon
 IDLE_WAKE_S = 60.0
 RETRY_INITIAL_S = 1.0  # one Node's back-off after a failed request: 1 s doubling to a minute
@@ -125,6 +126,7 @@ class Entry:
     drained_logged: bool = False
     blocked_told: bool = False  # its GPUQuarantineBlocked Event went out (once while it waits)
     held_told: bool = False  # its GPUNodeRepeatOffender Event went out (once, when it is fit but held)
+    unreadable_told: bool = False  # its GPUAnnotationsUnreadable Event went out (once while they stay so)
     refused: frozenset[str] = frozenset()  # its pods a PodDisruptionBudget held back (429)
     # Each Node backs off on its own: other Nodes' successes say nothing about why this one's requests fail.
     backoff: Backoff = field(default_factory=lambda: Backoff(RETRY_INITIAL_S, RETRY_MAX_S))
@@ -188,6 +190,8 @@ class Reconciler:
         self.quarantined: set[str] = set()
         self.candidates: set[str] = set()
         self.out_of_sight: set[str] = set()  # quarantined by us, no longer shown by the watch: read by name
+        self.unreadable: set[str] = set()  # shown by the watch, with agent annotations past the codec's bounds
+        self._unreadable_logged = float("-inf")
         self.breaker = Breaker(settings.max_quarantined_fraction, max_nodes=settings.max_quarantined_nodes)
         self.stats = Stats()
         self.synced = False
@@ -334,13 +338,15 @@ class Reconciler:
                 self._count(name)
                 self._dirty[name] = None
             return
+        if e is None and name in self._lost:
+            return  # named by the Lease and not read yet: it is read by name all the same (a 404 forgets it)
         self._drop(name)
 
     def _drop(self, name: str) -> None:
         self.entries.pop(name, None)
         self._dirty.pop(name, None)
         self._seen.pop(name, None)
-        for s in (self.gpu_nodes, self.quarantined, self.candidates, self.out_of_sight):
+        for s in (self.gpu_nodes, self.quarantined, self.candidates, self.out_of_sight, self.unreadable):
             s.discard(name)
 
     def _count(self, name: str) -> None:
@@ -349,6 +355,7 @@ class Reconciler:
         e = self.entries[name]
         f = e.facts
         q = e.ours
+        (self.unreadable.add if f.unreadable and e.watched else self.unreadable.discard)(name)
         if not q and not (e.watched and f.is_gpu_node):
             if not e.watched:
                 self._drop(name)  # released (or its record removed) while out of sight: no longer ours to track
@@ -437,6 +444,7 @@ class Reconciler:
         """Decide for every dirty or due Node; return when a timer is next due."""
         self.last_step_at = now
         with self._cond:
+            self._log_unreadable(now)
             while self._timers and self._timers[0][0] <= now:
                 _, name = heapq.heappop(self._timers)
                 if name in self.entries or name in self._lost:
@@ -481,6 +489,17 @@ class Reconciler:
             due = now if self._dirty else self._next_timer(now)
         self._flush_lease_events()
         return due
+
+    def _log_unreadable(self, now: float) -> None:
+        """One line a minute at most, on every replica, while some Nodes' annotations cannot be read."""
+        if not self.unreadable or now - self._unreadable_logged < UNREADABLE_LOG_S:
+            return
+        self._unreadable_logged = now
+        names = sorted(self.unreadable)
+        e = self.entries.get(names[0])
+        log.warning("%d node(s) with node agent annotations that cannot be read, neither quarantined nor released "
+                    "on them: %s%s (%s)", len(names), ", ".join(names[:5]), " ..." if len(names) > 5 else "",
+                    e.facts.unreadable if e is not None else "?")
 
     def _next_timer(self, now: float) -> float:
         return self._timers[0][0] if self._timers else now + IDLE_WAKE_S
@@ -573,6 +592,12 @@ class Reconciler:
                 if e.refusal == (f.decision_key(), self._lists):
                     return  # refused for good on these very inputs
                 e.refusal = None
+            tell_unreadable = bool(f.unreadable) and not e.unreadable_told
+            e.unreadable_told = bool(f.unreadable)
+        if tell_unreadable:
+            self._event(f, "GPUAnnotationsUnreadable", "Warning", f"the node agent's annotations cannot be read "
+                        f"({f.unreadable}): this node is neither quarantined nor released on them until its agent "
+                        f"writes values it can read; check the plugin pod on this node", now)
         q = f.quarantine or e.dry
         if q is None:
             e.fit_seen = None
@@ -945,7 +970,7 @@ class Reconciler:
         with self._cond:
             return {"gpu_nodes": len(self.gpu_nodes), "quarantined": len(self.quarantined),
                     "candidates": len(self.candidates), "limit": self.breaker.limit(len(self.gpu_nodes)),
-                    "nodes": len(self.entries)}
+                    "nodes": len(self.entries), "unreadable": len(self.unreadable)}
 
     def quarantined_by_reason(self) -> dict[str, int]:
         with self._cond:

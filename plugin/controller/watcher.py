@@ -86,9 +86,17 @@ class NodeWatcher:
                 self.last_error = str(exc)
                 log.warning("node watch: %s; retrying in %.1fs", exc, delay)
                 self._stop.wait(delay)
-            except Exception:
-                log.exception("node watch: unexpected error; retrying in 5s")
-                self._stop.wait(5.0)
+            except Exception as exc:
+                # Not the API's: a bug, or a Node no code expected. It counts like any failure (the metric,
+                # /readyz through last_error) and backs off the same way: logged and retried in silence, it once
+                # left the controller blind while every probe said ok.
+                if self._stop.is_set():
+                    return
+                self.failures += 1
+                delay = self._backoff.next_delay()
+                self.last_error = f"unexpected error: {type(exc).__name__}: {exc}"
+                log.exception("node watch: %s; retrying in %.1fs", self.last_error, delay)
+                self._stop.wait(delay)
 
     def list_all(self) -> None:
         """One LIST of the Nodes into the sink, page by page."""

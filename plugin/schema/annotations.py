@@ -39,6 +39,12 @@ DEFAULT_MAX_BYTES = 65536
 API_LIMIT_BYTES = 256 * 1024  # the API server's limit on all annotations of an object together
 
 MESSAGE_MAX = 96  # characters of a reason message kept in a device value
+# Bounds on one value a reader decodes. The agent's account may write any value under the prefix (its admission
+# policy cannot look inside them), and json.loads recurses once per level: a thousand "[" raise RecursionError, which
+# no reader expects. What the agent writes nests three deep and, with every reason of the table on one device, stays
+# far below the size (tests/unit/test_annotations_codec.py holds both).
+VALUE_MAX_BYTES = 32768
+VALUE_MAX_DEPTH = 8
 WHY_MAX = 300  # characters of a clearance's why: an operator's note (256) with the words around it
 SUMMARY_WORST = 3  # devices named in the summary line
 
@@ -291,6 +297,15 @@ class DeviceEntry:
 
 
 @dataclass(frozen=True)
+class Unreadable:
+    """A value of ours no agent writes and no reader may decode: past :data:`VALUE_MAX_BYTES` or
+    :data:`VALUE_MAX_DEPTH`. Not a hand edit (those are skipped quietly): someone wrote it to be decoded."""
+
+    key: str  # the name after the prefix: gpu.3, devices
+    why: str  # one line
+
+
+@dataclass(frozen=True)
 class NodeAnnotations:
     schema: str  # "" when absent
     state: str  # "" when absent
@@ -302,6 +317,7 @@ class NodeAnnotations:
     # when unknown: an older agent writes no count, and once it truncated, the entries left are only the worst.
     device_count: int | None
     gpu_count: int | None
+    unreadable: tuple[Unreadable, ...] = ()
 
 
 def decode(annotations: Mapping[str, str], prefix: str = DEFAULT_PREFIX, node: str = "") -> NodeAnnotations:
@@ -309,16 +325,25 @@ def decode(annotations: Mapping[str, str], prefix: str = DEFAULT_PREFIX, node: s
     may have edited one by hand, and the next resync repairs it. Keys outside the prefix, and keys under it that are
     not ours, are never read."""
     devices: list[DeviceEntry] = []
+    unreadable: list[Unreadable] = []
     for k, v in annotations.items():
         name = _our_name(k, prefix)
         if name is None or name in FIXED_KEYS:
             continue
-        entry = _device_entry(node, name, v)
+        doc = _load(v)
+        if isinstance(doc, Unreadable):
+            unreadable.append(Unreadable(name, doc.why))
+            continue
+        entry = _device_entry(node, name, doc)
         if entry is not None:
             devices.append(entry)
     devices.sort(key=lambda e: _natural(e.key))
     truncated = bool(annotations.get(f"{prefix}/{TRUNCATED_KEY}"))
-    total, gpus = _count(annotations.get(f"{prefix}/{COUNT_KEY}"))
+    count = _load(annotations.get(f"{prefix}/{COUNT_KEY}") or "")
+    if isinstance(count, Unreadable):
+        unreadable.append(Unreadable(COUNT_KEY, count.why))
+        count = None
+    total, gpus = _count(count)
     seen_gpus = len({e.gpu for e in devices})
     if total is None or gpus is None:
         total, gpus = (None, None) if truncated else (len(devices), seen_gpus)
@@ -328,7 +353,8 @@ def decode(annotations: Mapping[str, str], prefix: str = DEFAULT_PREFIX, node: s
     return NodeAnnotations(schema=annotations.get(f"{prefix}/{SCHEMA_KEY}", ""),
                            state=annotations.get(state_key, ""), annotated=state_key in annotations,
                            summary=annotations.get(f"{prefix}/{SUMMARY_KEY}", ""), truncated=truncated,
-                           devices=tuple(devices), device_count=total, gpu_count=gpus)
+                           devices=tuple(devices), device_count=total, gpu_count=gpus,
+                           unreadable=tuple(sorted(unreadable, key=lambda u: _natural(u.key))))
 
 
 def parse_node(node_name: str, annotations: Mapping[str, str], prefix: str = DEFAULT_PREFIX) -> list[DeviceEntry]:
@@ -345,11 +371,36 @@ def _text(doc: Mapping[str, object], field: str) -> str:
     return "" if v is None else str(v)
 
 
-def _device_entry(node: str, name: str, raw: str) -> DeviceEntry | None:
+# A JSON string (escapes included), or one bracket: what nesting is counted on, strings skipped whole.
+_NESTING = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+_NOT_JSON = object()
+
+
+def _load(raw: str) -> object:
+    """``raw`` decoded; :class:`Unreadable` past the bounds; ``_NOT_JSON`` when it is not JSON (a hand edit)."""
+    if not isinstance(raw, str):
+        return _NOT_JSON
+    if len(raw) > VALUE_MAX_BYTES:
+        return Unreadable("", f"{len(raw)} characters, more than the {VALUE_MAX_BYTES} an agent writes")
+    # Counting the brackets is cheap and settles almost every value: nesting cannot exceed their number.
+    if raw.count("[") + raw.count("{") > VALUE_MAX_DEPTH:
+        depth = deepest = 0
+        for m in _NESTING.finditer(raw):
+            c = m.group()
+            if c in "[{":
+                depth += 1
+                deepest = max(deepest, depth)
+            elif c in "]}":
+                depth -= 1
+        if deepest > VALUE_MAX_DEPTH:
+            return Unreadable("", f"nested deeper than {VALUE_MAX_DEPTH} levels")
     try:
-        doc = json.loads(raw)
-    except (ValueError, TypeError):
-        return None
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        return _NOT_JSON
+
+
+def _device_entry(node: str, name: str, doc: object) -> DeviceEntry | None:
     if not isinstance(doc, dict):
         return None
     state = doc.get("state")
@@ -372,12 +423,8 @@ def _cleared(raw: object) -> ClearedEntry | None:
                         why=_text(raw, "why"), at=_text(raw, "at"))
 
 
-def _count(raw: str | None) -> tuple[int | None, int | None]:
-    """The two counts of the count key; (None, None) when it is absent or not what we write."""
-    try:
-        doc = json.loads(raw) if raw else None
-    except ValueError:
-        return None, None
+def _count(doc: object) -> tuple[int | None, int | None]:
+    """The two counts of the count key's value; (None, None) when it is absent or not what we write."""
     if not isinstance(doc, dict):
         return None, None
     total, gpus = doc.get("total"), doc.get("gpus")

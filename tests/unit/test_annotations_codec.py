@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from plugin.devices.model import Gpu
+from plugin.health.config import DEFAULT_KUBELET_HEALTH
 from plugin.health.node_state import DeviceStatus, NodeState, Snapshot, Transition
-from plugin.health.reasons import Action, Reason, Source, State, worst_first
+from plugin.health.reasons import SPECS, Action, Reason, Source, State, worst_first
 from plugin.kube.names import DEFAULT_PREFIX
 from plugin.schema import annotations as ann
 from tests.fakes.node_devices import Node, gpu, reason, status
@@ -190,3 +191,42 @@ def test_the_key_check_would_catch_the_copies_it_replaced() -> None:
     for src in copies:
         texts = [t for _, t in _constants(ast.parse(src))]
         assert any("gpu\\." in t or t == "/truncated" for t in texts), src
+
+
+# Values no agent of ours writes, too deep or too big to decode (issue 35, 1) ------------------------------------
+
+DEEP = "[" * 1000 + "]" * 1000  # json.loads raises RecursionError on it: not a ValueError
+
+
+@pytest.mark.parametrize("key", ["gpu.3", ann.COUNT_KEY])
+def test_a_value_nested_past_the_bound_is_unreadable_not_an_exception(key: str) -> None:
+    desired, _ = roundtrip(snapshot(status(gpu(0)), status(gpu(1))))
+    got = ann.decode({**desired.annotations, f"{P}/{key}": DEEP}, P, "n")
+    assert [u.key for u in got.unreadable] == [key]
+    assert "nested deeper than" in got.unreadable[0].why
+    assert [e.key for e in got.devices] == ["gpu.0", "gpu.1"]  # the rest still reads
+
+
+def test_a_value_past_the_size_bound_is_unreadable() -> None:
+    big = json.dumps({"id": "GPU-3", "state": "Healthy", "pad": "x" * ann.VALUE_MAX_BYTES})
+    got = ann.decode({f"{P}/state": "Healthy", f"{P}/gpu.3": big}, P)
+    assert [u.key for u in got.unreadable] == ["gpu.3"] and not got.devices
+    assert f"{ann.VALUE_MAX_BYTES}" in got.unreadable[0].why
+
+
+def test_brackets_inside_strings_do_not_count_as_nesting() -> None:
+    message = "[" * 500 + "{" * 500
+    value = json.dumps({"id": "GPU-3", "state": "Unhealthy", "reasons": [{"code": "xid-79", "message": message}]})
+    got = ann.decode({f"{P}/state": "Unhealthy", f"{P}/gpu.3": value}, P)
+    assert not got.unreadable
+    assert got.devices[0].reasons[0]["message"] == message
+
+
+def test_what_the_agent_writes_at_its_largest_stays_readable() -> None:
+    # Every reason of the table at once, on one device, with a clearance: more than any GPU can have.
+    g = gpu(0)
+    every = tuple(Reason(c, spec.severity, "m" * 300, Source.POLL, spec.action, T0) for c, spec in SPECS.items())
+    desired, got = roundtrip(snapshot(DeviceStatus(g.uuid, g, State.UNHEALTHY, worst_first(every), T0,
+                                                   DEFAULT_KUBELET_HEALTH[State.UNHEALTHY])))
+    assert not got.unreadable and len(got.devices[0].reasons) == len(SPECS)
+    assert all(len(v) <= ann.VALUE_MAX_BYTES for v in desired.annotations.values())

@@ -111,3 +111,17 @@ def test_unreadable_or_odd_inputs_are_named(tmp_path: Path, monkeypatch: pytest.
     monkeypatch.setattr(sys, "stdin", io.StringIO('{"items": 5}'))
     assert kubectl_plugin.main(["--from-file", "-"]) == 1
     assert "--from-file -: stdin: not a node list" in capsys.readouterr().err
+
+
+def test_a_value_nested_past_the_bound_is_left_out_and_named_not_a_crash(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: json.loads raised RecursionError and the command died with a traceback (issue 35, 1).
+    bad = node_doc("gpu-b")
+    bad["metadata"]["annotations"]["gpu-health.io/gpu.3"] = "[" * 1000 + "]" * 1000  # type: ignore[index]
+    path = tmp_path / "nodes.json"
+    path.write_text(json.dumps({"kind": "List", "items": [bad, node_doc("gpu-a")]}))
+    assert kubectl_plugin.main(["--from-file", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert [ln.split()[:2] for ln in out.splitlines()[1:]] == [
+        *([["gpu-a", f"gpu.{i}"] for i in range(4)]), *([["gpu-b", f"gpu.{i}"] for i in range(3)])]
+    assert "gpu-b: gpu-health.io/gpu.3: nested deeper than 8 levels" in err, err

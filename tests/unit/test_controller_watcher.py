@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from plugin.controller.metrics import ControllerProbes
 from plugin.controller.nodes import Keys
 from plugin.controller.policy import Rules
 from plugin.controller.reconciler import Reconciler, Settings
@@ -184,3 +185,34 @@ def test_the_loop_lists_again_at_once_on_410_and_resumes_after_other_failures() 
     assert f.w.lists == 2 and f.watched_from() == [listed, relisted, relisted]
     assert f.rec.entries["n2"].facts.labels == ("lost", "event")
     assert f.w.failures == 2 and f.w.last_error == "HTTP 500: internal error"
+
+
+def test_an_unexpected_error_counts_as_a_failure_and_makes_the_controller_unready_until_a_round_goes_through() -> \
+        None:
+    # Before: logged as "unexpected error" and nothing else: failures 0, last_error "", /readyz ok, while the
+    # watch never resumed (issue 35, 1).
+    f = Feed()
+    probes = ControllerProbes(f.rec, f.w, clock=f.clock)
+    f.api.streams = [[RuntimeError("a bug in the sink")], [RuntimeError("a bug in the sink")]]
+    f.w.start()
+    try:
+        assert f.api.idle.wait(10.0), "the watcher never came back to watch after the unexpected errors"
+        # The next watch is open and quiet (nothing changed): the errors stand until a round goes through.
+        assert f.w.failures == 2 and "a bug in the sink" in f.w.last_error
+        ready, why = probes.readiness()
+        assert not ready and "a bug in the sink" in why, why
+    finally:
+        f.w.stop()
+
+
+def test_a_watch_event_after_an_unexpected_error_makes_the_controller_ready_again() -> None:
+    f = Feed()
+    probes = ControllerProbes(f.rec, f.w, clock=f.clock)
+    f.api.streams = [[RuntimeError("a bug in the sink")], [event("MODIFIED", f.changed("n0", {"a": "1"}))]]
+    f.w.start()
+    try:
+        assert f.api.idle.wait(10.0), "the watcher never reached its third watch"
+    finally:
+        f.w.stop()
+    assert f.w.failures == 1 and f.w.last_error == ""
+    assert probes.readiness()[0], probes.readiness()
