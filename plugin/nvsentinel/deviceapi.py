@@ -26,7 +26,7 @@ from google.protobuf.message import DecodeError
 from api.nvsentinel.deviceapi.v1alpha1 import gpu_pb2, gpu_pb2_grpc
 from plugin.backoff import Backoff
 from plugin.health.node_state import NodeState
-from plugin.health.reasons import Reason
+from plugin.health.reasons import Reason, worst_first
 from plugin.kube.protocols import Closeable
 from plugin.nvsentinel.gpuconditions import (
     REJECT_KINDS,
@@ -361,7 +361,9 @@ class DeviceApiConsumer:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._call: Any = None
-        self._uuid_of: dict[str, str] = {}  # GPU name -> its lowercased UUID
+        # Keyed by object, merged per GPU: two objects may name one UUID (another server's naming beside ours), and
+        # the event of one must not erase what the other says.
+        self._objects: dict[str, tuple[str, tuple[Reason, ...]]] = {}  # object name -> (lowercased UUID, reasons)
         self._held: dict[str, tuple[Reason, ...]] = {}  # lowercased UUID -> the reasons the engine holds from us
 
     def start(self) -> None:
@@ -437,31 +439,46 @@ class DeviceApiConsumer:
         if event.type in ("ADDED", "MODIFIED"):
             self._take(gpu)
         elif event.type == "DELETED":
-            uuid = self._uuid_of.pop(gpu.metadata.name, gpu.spec.uuid.lower())
-            self._set(uuid, ())
+            uuid, _ = self._objects.pop(gpu.metadata.name, (gpu.spec.uuid.lower(), ()))
+            self._merge(uuid)
         elif event.type == "ERROR":
             raise _Failure("watch-error", f"device API watch reported an error: {gpu.metadata.name or '-'}")
 
     def _replace(self, gpus: Iterable[gpu_pb2.Gpu]) -> None:
-        listed = {self._take(g) for g in gpus}
-        for uuid in [u for u in self._held if u not in listed]:
-            self._set(uuid, ())
-        self._uuid_of = {n: u for n, u in self._uuid_of.items() if u in listed}
+        before = {u for u, _ in self._objects.values()} | set(self._held)
+        self._objects = {}
+        for g in gpus:
+            self._take(g, merge=False)
+        for uuid in sorted(before | {u for u, _ in self._objects.values()}):
+            self._merge(uuid)
 
-    def _take(self, gpu: gpu_pb2.Gpu) -> str:
+    def _take(self, gpu: gpu_pb2.Gpu, merge: bool = True) -> None:
         name = gpu.metadata.name
         if not gpu.spec.uuid:
             self._reject(Rejected("no-uuid", f"GPU {name or '-'} has no spec.uuid"))
-            return ""
+            return
         uuid = gpu.spec.uuid.lower()
-        self._uuid_of[name] = uuid
         held = self._held.get(uuid, ())
         reasons, rejected = external_reasons(name, conditions_of(gpu), gpu.status.recommended_action,
                                              {r.code: r.first_seen for r in held}, self._wall())
         for r in rejected:
             self._reject(r)
-        self._set(uuid, reasons)
-        return uuid
+        moved, _ = self._objects.get(name, (uuid, ()))
+        self._objects[name] = (uuid, reasons)
+        if merge:
+            if moved != uuid:
+                self._merge(moved)  # the object now names another GPU: the one it named loses what it said
+            self._merge(uuid)
+
+    def _merge(self, uuid: str) -> None:
+        """What every object naming ``uuid`` says, one reason per code (the worst kept), to the engine."""
+        by_code: dict[str, Reason] = {}
+        for u, reasons in self._objects.values():
+            if u == uuid:
+                for r in reasons:
+                    kept = by_code.get(r.code)
+                    by_code[r.code] = r if kept is None else worst_first((kept, r))[0]
+        self._set(uuid, worst_first(tuple(by_code.values())))
 
     def _set(self, uuid: str, reasons: tuple[Reason, ...]) -> None:
         if not uuid or self._held.get(uuid, ()) == reasons:

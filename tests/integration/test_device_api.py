@@ -308,6 +308,22 @@ def test_malformed_conditions_are_skipped_alone_and_counted(rig: Rig, consumer: 
     assert len(lines) == len({line.split("(")[1].split(")")[0] for line in lines}), "one line per kind"
 
 
+def test_two_objects_naming_one_gpu_keep_each_others_findings(rig: Rig, consumer: DeviceApiConsumer) -> None:
+    # Another server's naming: its object for GPU 0 is not ours (we name it by the lowercased UUID). Before (issue 35,
+    # 7) the last event of either object won: our own object's event erased the other provider's False.
+    uuid = rig.uuids[0]
+    other_provider_writes(rig.fake, "node-a-gpu-0", nvml_ready("False"), uuid=uuid)
+    assert rig.wait_state(lambda: rig.device(uuid).state is State.UNHEALTHY)
+    rig.step()  # our objects, with our Healthy condition only: an event for GPU 0 that holds no finding
+    # A marker after it: the watch delivers in order, so once GPU 1's reason is in, our GPU 0 event has been read.
+    other_provider_writes(rig.fake, rig.uuids[1].lower(), nvml_ready("False"))
+    assert rig.wait_state(lambda: rig.device(rig.uuids[1]).state is State.UNHEALTHY)
+    assert [r.code for r in rig.device(uuid).reasons] == ["external-nvml-ready"]
+    rig.fake.client().DeleteGpu(gpu_pb2.DeleteGpuRequest(name="node-a-gpu-0"))
+    assert rig.wait_state(lambda: rig.device(uuid).state is State.HEALTHY and not rig.device(uuid).reasons)
+    assert rig.device(rig.uuids[1]).state is State.UNHEALTHY
+
+
 def test_an_event_that_does_not_parse_is_skipped_not_fatal() -> None:
     good = gpu_pb2.WatchGpusResponse(type="ADDED", object=gpu_pb2.Gpu(
         status=gpu_pb2.GpuStatus(conditions=[gpu_pb2.Condition(type="T", message="ZZZZ")])))
