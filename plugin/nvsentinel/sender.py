@@ -6,6 +6,11 @@ there is no queue, a failed send is simply retried with whatever the state is by
 exponential back-off with jitter. Every call has a deadline. After a failure, or when the socket file is replaced
 (NVSentinel restarted), the next send carries every non-healthy check again, in case NVSentinel lost it; a healthy
 node with nothing to report sends nothing, ever.
+
+A batch NVSentinel refuses (a status other than the transient ones) is sent again one event at a time: the events it
+takes are taken, and each one it refuses is counted, logged and not sent again until its check changes, so that one
+event it cannot take never holds back the others. The checks of a GPU that left the node (replaced, or taken off
+the bus for good) are closed once it stayed away past a grace period.
 """
 
 from __future__ import annotations
@@ -59,6 +64,9 @@ class SenderSettings:
     # Where what NVSentinel holds open from us is kept across our restarts (in the state dir): a fault that clears
     # while we are down is closed in NVSentinel by the next start, which nothing else could do.
     acked_file: Path | None = None
+    # How long a GPU may be gone from the node before NVSentinel is told its checks are over: long enough for a
+    # reset or a driver reload to bring it back under the same UUID.
+    gone_grace_s: float = 600.0
 
 
 @dataclass(frozen=True)
@@ -69,6 +77,7 @@ class SenderStatus:
     failures_by_reason: Mapping[str, int]
     connected: bool
     pending_checks: int  # checks whose state NVSentinel does not have yet
+    events_refused: int = 0  # events NVSentinel refused one by one (not sent again until their check changes)
 
     @property
     def failure_reasons(self) -> tuple[str, ...]:
@@ -96,10 +105,14 @@ class HealthEventSender(OutletThread):
         self._failures = dict.fromkeys(FAILURE_REASONS, 0)
         self._connected = False
         self._pending = 0
+        self._refused: dict[tuple[str, str], CheckState] = {}  # what NVSentinel refused, as it was then
+        self._refused_count = 0
+        self._gone_since: dict[str, float] = {}  # GPUs with open checks that left the snapshot, since when
 
     def status(self) -> SenderStatus:
         with self._lock:
-            return SenderStatus(self._sent, dict(self._failures), self._connected, self._pending)
+            return SenderStatus(self._sent, dict(self._failures), self._connected, self._pending,
+                                self._refused_count)
 
     def _clients(self) -> Iterable[Closeable | None]:
         return (self._channel,)
@@ -121,7 +134,10 @@ class HealthEventSender(OutletThread):
             self._retry_at = 0.0  # the socket is there now: no reason to wait out the back-off
         if now < self._retry_at:
             return self._retry_at
-        todo = changes(self._acked, gpus, wanted, everything=self._resend)
+        closing = self._gone_past_grace(gpus, now)
+        todo = changes(self._acked, gpus | closing, wanted, everything=self._resend)
+        self._refused = {k: c for k, c in self._refused.items() if wanted.get(k) == c}
+        todo = [c for c in todo if self._refused.get(c.key) != c]  # refused as it is: wait for a change
         self._set_pending(len(todo))
         if problem is not None:
             return self._failed(now, problem, len(todo), detail="")
@@ -138,16 +154,19 @@ class HealthEventSender(OutletThread):
         try:
             self._send(todo)
         except grpc.RpcError as exc:
-            code = exc.code() if isinstance(exc, grpc.Call) else None
-            detail = exc.details() if isinstance(exc, grpc.Call) else str(exc)
-            return self._failed(now, _BY_CODE.get(code, REJECTED) if code is not None else REJECTED, len(todo),
-                                detail=f"{code.name if code is not None else 'error'}: {detail}")
-        for c in todo:
-            if c.healthy:
-                self._acked.pop(c.key, None)
-            else:
-                self._acked[c.key] = c
-        self._save_acked()
+            reason, detail = _why(exc)
+            if reason != REJECTED:
+                return self._failed(now, reason, len(todo), detail=detail)
+            taken, failure = self._one_by_one(todo, detail)
+            self._ack(taken)
+            with self._lock:
+                self._sent += len(taken)
+            if failure is not None:
+                return self._failed(now, failure[0], len(todo) - len(taken), detail=failure[1])
+            todo = []  # acknowledged and counted above
+        self._ack(todo)
+        with self._lock:
+            self._sent += len(todo)
         self._resend = False
         n = self._backoff.reset()
         if self._failing:
@@ -155,10 +174,51 @@ class HealthEventSender(OutletThread):
                      self.settings.socket, n)
             self._failing = ""
         with self._lock:
-            self._sent += len(todo)
             self._connected = True
             self._pending = 0
         return now + self.settings.recheck_s
+
+    def _one_by_one(self, todo: list[CheckState], detail: str) -> tuple[list[CheckState], tuple[str, str] | None]:
+        """The batch was refused: each check alone. Returns those taken, and the failure that stopped the round
+        (a transient one: the rest waits for the back-off), if any."""
+        if len(todo) == 1:
+            self._refuse(todo[0], detail)
+            return [], None
+        taken: list[CheckState] = []
+        for c in todo:
+            try:
+                self._send([c])
+            except grpc.RpcError as exc:
+                reason, why = _why(exc)
+                if reason != REJECTED:
+                    return taken, (reason, why)
+                self._refuse(c, why)
+                continue
+            taken.append(c)
+        return taken, None
+
+    def _refuse(self, c: CheckState, detail: str) -> None:
+        self._refused[c.key] = c
+        with self._lock:
+            self._refused_count += 1
+        log.warning("NVSentinel refused the health event of GPU %s (index %d) check %s (%s): the other events "
+                    "are sent; this one is sent again once its check changes", c.gpu_uuid, c.gpu_index, c.check, detail)
+
+    def _gone_past_grace(self, gpus: set[str], now: float) -> set[str]:
+        """GPUs with checks NVSentinel holds open that have been gone from the node past the grace period."""
+        open_gpus = {c.gpu_uuid for c in self._acked.values()}
+        self._gone_since = {u: self._gone_since.get(u, now) for u in open_gpus - gpus}
+        return {u for u, since in self._gone_since.items() if now - since >= self.settings.gone_grace_s}
+
+    def _ack(self, todo: list[CheckState]) -> None:
+        if not todo:
+            return
+        for c in todo:
+            if c.healthy:
+                self._acked.pop(c.key, None)
+            else:
+                self._acked[c.key] = c
+        self._save_acked()
 
     def _load_acked(self) -> dict[tuple[str, str], CheckState]:
         path = self.settings.acked_file
@@ -246,3 +306,11 @@ class HealthEventSender(OutletThread):
     def _set_pending(self, n: int) -> None:
         with self._lock:
             self._pending = n
+
+
+def _why(exc: grpc.RpcError) -> tuple[str, str]:
+    """A failed call's reason (of FAILURE_REASONS) and its one-line detail."""
+    code = exc.code() if isinstance(exc, grpc.Call) else None
+    detail = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+    reason = _BY_CODE.get(code, REJECTED) if code is not None else REJECTED
+    return reason, f"{code.name if code is not None else 'error'}: {detail}"

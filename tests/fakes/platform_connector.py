@@ -23,6 +23,9 @@ class FakePlatformConnector(health_event_pb2_grpc.PlatformConnectorServicer):
         self.batches: list[health_event_pb2.HealthEvents] = []
         self.calls = 0  # every call that reached us, refused ones included
         self._fail: list[grpc.StatusCode] = []
+        # GPU UUIDs whose events this connector refuses (INVALID_ARGUMENT), the whole batch with them, as a
+        # connector that cannot take one event of a batch answers.
+        self.refuse_gpus: set[str] = set()
         self._cond = threading.Condition()
         self._server: grpc.Server | None = None
 
@@ -31,6 +34,9 @@ class FakePlatformConnector(health_event_pb2_grpc.PlatformConnectorServicer):
         with self._cond:
             self.calls += 1
             code = self._fail.pop(0) if self._fail else None
+            if code is None and any(x.entityValue in self.refuse_gpus for e in request.events
+                                    for x in e.entitiesImpacted if x.entityType == "GPU_UUID"):
+                code = grpc.StatusCode.INVALID_ARGUMENT
             if code is None:
                 self.batches.append(request)
             self._cond.notify_all()

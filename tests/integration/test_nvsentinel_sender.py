@@ -182,6 +182,71 @@ def test_unavailable_backs_off_and_the_latest_state_wins(node: Node, sock: Path,
     assert s.status().connected and s.status().events_sent == 1
 
 
+def test_an_event_nvsentinel_refuses_holds_back_no_other_and_is_not_resent_until_it_changes(
+        node: Node, sock: Path, connector: FakePlatformConnector, caplog: pytest.LogCaptureFixture) -> None:
+    # Before (issue 35, 6): the whole batch was refused and resent every 60 s forever, GPU 0's event with it.
+    s = sender(node, sock)
+    connector.refuse_gpus = {node.gpus[1].uuid}
+    node.set(0, State.UNHEALTHY, "xid-79", now=T0)
+    node.set(1, State.UNHEALTHY, "ecc-uncorrected", now=T0)
+    with caplog.at_level(logging.WARNING):
+        s.step(T0)
+    assert [checks(b) for b in connector.batches] == [[(node.gpus[0].uuid, XID, False, True)]]
+    st = s.status()
+    assert st.events_sent == 1 and st.events_refused == 1 and st.connected and st.pending_checks == 0
+    assert st.failures_by_reason["rejected"] == 0  # a refused event is no failed send
+    refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refused) == 1 and node.gpus[1].uuid in refused[0] and MEMORY in refused[0], refused
+    calls = connector.calls
+    now = T0
+    for _ in range(10):  # idle: the refused event is not tried again, nor anything else
+        now = s.step(now + 61)
+    assert connector.calls == calls
+    # The check clears (nothing to close: NVSentinel never took it), then fails again: tried once more.
+    node.set(1, State.HEALTHY, now=now)
+    s.step(now)
+    assert connector.calls == calls
+    node.set(1, State.UNHEALTHY, "ecc-uncorrected", now=now + 1)
+    s.step(now + 1)
+    assert connector.calls == calls + 1 and s.status().events_refused == 2
+    connector.refuse_gpus = set()
+    node.set(1, State.HEALTHY, now=now + 2)
+    s.step(now + 2)
+    node.set(1, State.UNHEALTHY, "ecc-uncorrected", now=now + 3)
+    s.step(now + 3)
+    assert checks(connector.batches[-1]) == [(node.gpus[1].uuid, MEMORY, False, True)]
+
+
+def test_the_open_checks_of_a_gpu_gone_past_the_grace_period_are_closed(
+        node: Node, sock: Path, connector: FakePlatformConnector) -> None:
+    # Before: a GPU taken out (replaced) left its checks open in NVSentinel forever.
+    s = sender(node, sock, gone_grace_s=600.0)
+    node.set(3, State.UNHEALTHY, "xid-79", now=T0)
+    s.step(T0)
+    assert checks(connector.batches[-1]) == [(node.gpus[3].uuid, XID, False, True)]
+    node.remove(3, now=T0 + 1)
+    s.step(T0 + 1)
+    s.step(T0 + 599)
+    assert len(connector.batches) == 1, "within the grace period it may come back (a reset, a reload)"
+    s.step(T0 + 602)
+    assert checks(connector.batches[-1]) == [(node.gpus[3].uuid, XID, True, False)]
+    s.step(T0 + 1000)
+    assert len(connector.batches) == 2
+
+
+def test_a_gpu_back_within_the_grace_period_keeps_its_open_checks(
+        node: Node, sock: Path, connector: FakePlatformConnector) -> None:
+    s = sender(node, sock, gone_grace_s=600.0)
+    node.set(3, State.UNHEALTHY, "xid-79", now=T0)
+    s.step(T0)
+    node.remove(3, now=T0 + 1)
+    s.step(T0 + 1)
+    node.set(3, State.UNHEALTHY, "xid-79", now=T0 + 300)
+    s.step(T0 + 300)
+    s.step(T0 + 2000)
+    assert len(connector.batches) == 1
+
+
 def test_the_back_off_is_capped(node: Node, sock: Path, connector: FakePlatformConnector) -> None:
     s = sender(node, sock, backoff_max_s=60.0)
     connector.fail_next(12, grpc.StatusCode.UNAVAILABLE)

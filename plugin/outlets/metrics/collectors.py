@@ -347,6 +347,9 @@ class NvsentinelCollector:
                           value=1.0 if s.connected else 0.0)
         yield GaugeFamily("gpu_health_nvsentinel_pending_checks",
                           "checks whose current state NVSentinel does not have yet", value=s.pending_checks)
+        yield CounterFamily("gpu_health_nvsentinel_events_refused",
+                            "health events NVSentinel refused one by one (each sent again once its check changes)",
+                            value=s.events_refused)
 class DeviceApiCollector:
     """NVSentinel's device API: the provider's writes, each role's connection, the external reasons held and the
     malformed conditions refused. Every label value is from a closed set, each present from the start."""

@@ -250,6 +250,9 @@ class NvsentinelCounters(Protocol):
 
     @property
     def pending_checks(self) -> int: ...
+
+    @property
+    def events_refused(self) -> int: ...
 # NVSentinel's device API --------------------------------------------------------------------------------------------
 
 class DeviceApiCounters(Protocol):
