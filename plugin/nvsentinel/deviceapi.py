@@ -102,6 +102,25 @@ class DeviceApiStats:
             return dict(self._rejected)
 
 
+class OurActions:
+    """The recommended action our provider last wrote on each of its GPU objects, for the consumer. The field is
+    one per GPU and any provider may write it: an action equal to the one we wrote says nothing about another
+    provider's finding, and taking it as theirs would hand our own action back to us as external evidence."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_name: dict[str, str] = {}
+
+    def wrote(self, name: str, action: str) -> None:
+        with self._lock:
+            self._by_name[name] = action
+
+    def ours(self, name: str) -> str:
+        """Our last action on object ``name``, "" when we wrote none."""
+        with self._lock:
+            return self._by_name.get(name, "")
+
+
 class _Failure(Exception):
     """A call that failed; ``message`` is the one line to log, ``kind`` says which streak it belongs to."""
 
@@ -207,11 +226,12 @@ class DeviceApiProvider(OutletThread):
 
     def __init__(self, state: NodeState, settings: DeviceApiSettings, stats: DeviceApiStats, *,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, ours: OurActions | None = None) -> None:
         super().__init__(state, clock, version=-1, thread_name="device-api-provider", label="device API provider",
                          log=log)
         self.settings = settings
         self.stats = stats
+        self.ours = ours or OurActions()
         self._wall = wall
         self._link = _Link(settings)
         self._streak = _Streak(settings, rng)
@@ -294,6 +314,8 @@ class DeviceApiProvider(OutletThread):
                 name=name, resource_version=gpu.resource_version,
                 status=gpu_pb2.GpuStatus(conditions=[_to_proto(c) for c in conditions],
                                          recommended_action=new_action))
+            # Told before the write: the consumer may read its watch event before this call returns.
+            self.ours.wrote(name, v.action if new_action == v.action else "")
             try:
                 self._call("UpdateGpuStatus", stub.UpdateGpuStatus, request)
             except grpc.RpcError as exc:
@@ -350,8 +372,10 @@ class DeviceApiConsumer:
     conditions amount to (``gpuconditions.external_reasons``)."""
 
     def __init__(self, sink: ExternalReasonSink, settings: DeviceApiSettings, stats: DeviceApiStats, *,
-                 wall: Callable[[], float] = time.time, rng: random.Random | None = None) -> None:
+                 wall: Callable[[], float] = time.time, rng: random.Random | None = None,
+                 ours: OurActions | None = None) -> None:
         self._sink = sink
+        self._ours = ours or OurActions()
         self.settings = settings
         self.stats = stats
         self._wall = wall
@@ -459,7 +483,10 @@ class DeviceApiConsumer:
             return
         uuid = gpu.spec.uuid.lower()
         held = self._held.get(uuid, ())
-        reasons, rejected = external_reasons(name, conditions_of(gpu), gpu.status.recommended_action,
+        action = gpu.status.recommended_action
+        if action and action == self._ours.ours(name):
+            action = ""  # ours: no other provider named an action (contact-support, as docs/nvsentinel.md says)
+        reasons, rejected = external_reasons(name, conditions_of(gpu), action,
                                              {r.code: r.first_seen for r in held}, self._wall())
         for r in rejected:
             self._reject(r)
@@ -506,8 +533,9 @@ class DeviceApi:
 
     def __init__(self, state: NodeState, sink: ExternalReasonSink, settings: DeviceApiSettings) -> None:
         self.stats = DeviceApiStats()
-        self.provider = DeviceApiProvider(state, settings, self.stats) if settings.provide else None
-        self.consumer = DeviceApiConsumer(sink, settings, self.stats) if settings.consume else None
+        ours = OurActions()
+        self.provider = DeviceApiProvider(state, settings, self.stats, ours=ours) if settings.provide else None
+        self.consumer = DeviceApiConsumer(sink, settings, self.stats, ours=ours) if settings.consume else None
 
     def start_consumer(self) -> None:
         if self.consumer is not None:

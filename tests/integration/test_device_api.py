@@ -22,7 +22,7 @@ from plugin.devices.simulated import SimulatedBackend, builtin_node
 from plugin.health.config import HealthConfig
 from plugin.health.monitor import Monitor
 from plugin.health.node_state import DeviceStatus, NodeState
-from plugin.health.reasons import KubeletHealth, State
+from plugin.health.reasons import Action, KubeletHealth, State
 from plugin.nvsentinel.deviceapi import (
     DeviceApiConsumer,
     DeviceApiProvider,
@@ -102,7 +102,7 @@ def rig(short_socket_dir: Path) -> Iterator[Rig]:
 
 @pytest.fixture
 def consumer(rig: Rig) -> Iterator[DeviceApiConsumer]:
-    c = DeviceApiConsumer(rig.monitor, rig.settings, rig.stats)
+    c = DeviceApiConsumer(rig.monitor, rig.settings, rig.stats, ours=rig.provider.ours)
     c.start()
     yield c
     c.stop()
@@ -306,6 +306,31 @@ def test_malformed_conditions_are_skipped_alone_and_counted(rig: Rig, consumer: 
     lines = [r.getMessage() for r in caplog.records if "malformed" in r.getMessage()]
     assert any("Maybe" in line for line in lines) and any("no spec.uuid" in line for line in lines)
     assert len(lines) == len({line.split("(")[1].split(")")[0] for line in lines}), "one line per kind"
+
+
+def test_the_action_we_wrote_is_not_taken_back_as_another_providers(rig: Rig, consumer: DeviceApiConsumer) -> None:
+    # Before (issue 35, 3): the GPU's one recommended_action field held ours (reset-gpu); another provider's False
+    # came with it, so the external reason carried our action, and once our fault cleared we published it again as
+    # ours, for as long as the other provider said False.
+    uuid, name = rig.uuids[0], rig.uuids[0].lower()
+    rig.step()
+    rig.fault(0, ecc_uncorrected_volatile=2)
+    rig.step()
+    assert rig.fake.gpus[name].status.recommended_action == "reset-gpu"
+    other_provider_writes(rig.fake, name, nvml_ready("False"))  # no action of its own: ours stays in the field
+    assert rig.wait_state(lambda: any(r.code == "external-nvml-ready" for r in rig.device(uuid).reasons))
+    external = next(r for r in rig.device(uuid).reasons if r.code == "external-nvml-ready")
+    assert external.action is Action.CONTACT_SUPPORT, external
+    rig.fault(0, ecc_uncorrected_volatile=None)
+    rig.step(advance=1.0)
+    other_provider_writes(rig.fake, rig.uuids[1].lower(), nvml_ready("False"))  # a marker: GPU 0 is read by now
+    assert rig.wait_state(lambda: rig.device(rig.uuids[1]).state is State.UNHEALTHY)
+    rig.step(advance=1.0)
+    assert [(r.code, r.action) for r in rig.device(uuid).reasons] == [("external-nvml-ready", Action.CONTACT_SUPPORT)]
+    assert rig.fake.gpus[name].status.recommended_action != "reset-gpu"
+    # Another provider naming an action of its own is taken at its word.
+    other_provider_writes(rig.fake, name, nvml_ready("False"), action="reboot-node")
+    assert rig.wait_state(lambda: [r.action for r in rig.device(uuid).reasons] == [Action.REBOOT_NODE])
 
 
 def test_two_objects_naming_one_gpu_keep_each_others_findings(rig: Rig, consumer: DeviceApiConsumer) -> None:
