@@ -140,7 +140,8 @@ def test_each_rule_quarantines_with_its_reason_and_an_event(node: dict[str, Any]
     assert ev["involvedObject"] == {"apiVersion": "v1", "kind": "Node", "name": "bad", "uid": "uid-bad"}
     assert ev["source"]["component"] == CONTROLLER
     assert f": {reason}: " in ev["message"]
-    assert rig.rec.counts() == {"gpu_nodes": 3, "quarantined": 1, "candidates": 0, "limit": 1, "nodes": 4}
+    assert rig.rec.counts() == {"gpu_nodes": 3, "quarantined": 1, "candidates": 0, "limit": 1, "nodes": 4,
+                                 "unreadable": 0}
     assert rig.rec.stats.actions == {"quarantine": 1}
 
 
@@ -438,7 +439,8 @@ def test_a_deleted_node_is_forgotten() -> None:
     # Quarantined: held until a read by name says 404 (test_controller_safety.py), then forgotten.
     assert rig.rec.counts()["quarantined"] == 1
     rig.step()
-    assert rig.rec.counts() == {"gpu_nodes": 1, "quarantined": 0, "candidates": 0, "limit": 1, "nodes": 1}
+    assert rig.rec.counts() == {"gpu_nodes": 1, "quarantined": 0, "candidates": 0, "limit": 1, "nodes": 1,
+                                 "unreadable": 0}
     rig.rec.delete(rig.node("m"))
     assert rig.rec.counts()["nodes"] == 0
 
@@ -598,7 +600,8 @@ def test_a_correlated_failure_of_thirty_percent_quarantines_exactly_the_limit() 
     rig.step()
     assert rig.quarantined() == [f"n{i:03}" for i in range(10)]
     assert rig.rec.breaker.is_open
-    assert rig.rec.counts() == {"gpu_nodes": 100, "quarantined": 10, "candidates": 20, "limit": 10, "nodes": 100}
+    assert rig.rec.counts() == {"gpu_nodes": 100, "quarantined": 10, "candidates": 20, "limit": 10,
+                                 "nodes": 100, "unreadable": 0}
     lease_events = [e for e in rig.events("GPUQuarantineBlocked") if e["involvedObject"]["kind"] == "Lease"]
     assert len(lease_events) == 1
     ev = lease_events[0]
