@@ -32,6 +32,18 @@ from plugin.validation import check_prefix, is_dns_subdomain
 STATES = tuple(s.value for s in State)
 
 
+def _prefix_arg(p: argparse.ArgumentParser, whose: str) -> None:
+    p.add_argument("--prefix", default=os.environ.get("GPU_HEALTH_ANNOTATION_PREFIX", DEFAULT_PREFIX),
+                   help=f"annotation prefix {whose} (default {DEFAULT_PREFIX})")
+
+
+def _kubectl_args(p: argparse.ArgumentParser) -> None:
+    """How kubectl is run: the same three flags on every subcommand."""
+    p.add_argument("--kubeconfig", default=None, help="passed to kubectl")
+    p.add_argument("--context", default=None, help="passed to kubectl")
+    p.add_argument("--kubectl", default=os.environ.get("KUBECTL", "kubectl"), help="kubectl to run (env KUBECTL)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kubectl gpu-health",
                                 description="GPU device health of every node, from the plugin's node annotations.",
@@ -42,12 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state", "-s", action="append", default=[], metavar="STATE",
                    help=f"only devices in these states (repeatable or comma-separated: {', '.join(STATES)})")
     p.add_argument("--output", "-o", choices=("table", "json"), default="table")
-    p.add_argument("--prefix", default=os.environ.get("GPU_HEALTH_ANNOTATION_PREFIX", DEFAULT_PREFIX),
-                   help=f"annotation prefix the plugin writes under (default {DEFAULT_PREFIX})")
+    _prefix_arg(p, "the plugin writes under")
     p.add_argument("--selector", "-l", default="", help="label selector passed to kubectl get nodes")
-    p.add_argument("--kubeconfig", default=None, help="passed to kubectl")
-    p.add_argument("--context", default=None, help="passed to kubectl")
-    p.add_argument("--kubectl", default=os.environ.get("KUBECTL", "kubectl"), help="kubectl to run (env KUBECTL)")
+    _kubectl_args(p)
     p.add_argument("--from-file", type=Path, default=None, metavar="FILE",
                    help="read a node list (kubectl get nodes -o json) from FILE ('-' for stdin) instead")
     return p
@@ -66,11 +75,8 @@ def build_fleet_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", "-o", choices=("table", "json"), default="table")
     p.add_argument("--all", action="store_true",
                    help="also list GPU nodes not quarantined but not Healthy (or with a capacity gap) as candidates")
-    p.add_argument("--prefix", default=os.environ.get("GPU_HEALTH_ANNOTATION_PREFIX", DEFAULT_PREFIX),
-                   help=f"annotation prefix of the plugin and the controller (default {DEFAULT_PREFIX})")
-    p.add_argument("--kubeconfig", default=None, help="passed to kubectl")
-    p.add_argument("--context", default=None, help="passed to kubectl")
-    p.add_argument("--kubectl", default=os.environ.get("KUBECTL", "kubectl"), help="kubectl to run (env KUBECTL)")
+    _prefix_arg(p, "of the plugin and the controller")
+    _kubectl_args(p)
     p.add_argument("--from-file", type=Path, default=None, metavar="FILE",
                    help="read the node list (kubectl get nodes -o json) from FILE ('-' for stdin) instead")
     p.add_argument("--lease-file", type=Path, default=None, metavar="FILE",
@@ -89,11 +95,8 @@ def build_release_parser() -> argparse.ArgumentParser:
     p.add_argument("node", metavar="NODE", help="the node's name")
     p.add_argument("--note", required=True, metavar="TEXT",
                    help="why (one line, kept in the annotation, the controller's log and its Event)")
-    p.add_argument("--prefix", default=os.environ.get("GPU_HEALTH_ANNOTATION_PREFIX", DEFAULT_PREFIX),
-                   help=f"annotation prefix of the plugin and the controller (default {DEFAULT_PREFIX})")
-    p.add_argument("--kubeconfig", default=None, help="passed to kubectl")
-    p.add_argument("--context", default=None, help="passed to kubectl")
-    p.add_argument("--kubectl", default=os.environ.get("KUBECTL", "kubectl"), help="kubectl to run (env KUBECTL)")
+    _prefix_arg(p, "of the plugin and the controller")
+    _kubectl_args(p)
     return p
 
 
