@@ -1,6 +1,9 @@
-"""The HTTP under the API client: one kept-alive HTTP/1.1 connection, opened again when the server closed it, with a
-timeout on connect and on every read; one request at a time, so threads may share it; a watch on a connection of
-its own. Every failure is :class:`ApiFailure`."""
+"""The HTTP under the API client: one kept-alive HTTP/1.1 connection, opened again when the server closed it; one
+request at a time, so threads may share it; a watch on a connection of its own. Every failure is :class:`ApiFailure`.
+
+A call's timeout bounds the whole call, connect to the answer's last byte, not each read: the controller's fencing
+(docs/fleet.md) counts on a write being given up within it. A write also carries it as the API server's ``timeout``
+parameter, so that the server gives up on it too instead of working on for its own minute."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import logging
 import select
 import socket
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
@@ -107,6 +111,7 @@ class Transport:
         params = dict(query or {})
         if method != "GET":
             params["fieldManager"] = self._component
+            params["timeout"] = f"{max(1, int(self._timeout_s * 1000))}ms"
         if params:
             url += "?" + urlencode(params)
         payload = json.dumps(body, separators=(",", ":")).encode() if body is not None else None
@@ -132,12 +137,16 @@ class Transport:
               auth: str | None) -> tuple[int, str, str | None, bytes]:
         if auth:
             headers = {**headers, "Authorization": auth}
+        deadline = time.monotonic() + self._timeout_s
         for attempt in range(2):
             if self._conn is not None and _closed_by_peer(self._conn):
                 self._drop()  # the server (or a load balancer) closed it while idle: not an error
             reused = self._conn is not None and self._conn.sock is not None
             conn = self._connection()
             try:
+                if conn.sock is None:
+                    conn.timeout = max(0.001, deadline - time.monotonic())  # the connect's share of the call
+                _left(conn, deadline)
                 conn.request(method, url, body=payload, headers=headers)
             except ConnectionError:
                 self._drop()
@@ -150,8 +159,9 @@ class Transport:
                 self._drop()
                 raise
             try:
+                _left(conn, deadline)
                 resp = conn.getresponse()
-                data = resp.read()
+                data = _read(resp, conn, deadline)
             except BaseException:
                 self._drop()  # sent, perhaps acted on: never sent again
                 raise
@@ -178,6 +188,27 @@ class Transport:
             self._conn.close()
             self._conn = None
 
+
+
+def _left(conn: http.client.HTTPConnection, deadline: float) -> None:
+    """What is left of the call's time becomes the socket's timeout for the next read; none left is a timeout."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("timed out")
+    if conn.sock is not None:
+        conn.sock.settimeout(left)
+
+
+def _read(resp: http.client.HTTPResponse, conn: http.client.HTTPConnection, deadline: float) -> bytes:
+    """The body in chunks, the time left checked between them: a server trickling its answer cannot stretch the
+    call past its timeout one slow read at a time."""
+    chunks = []
+    while chunk := resp.read1(65536):
+        chunks.append(chunk)
+        if resp.length != 0:  # 0: the whole body is in, no further read to bound
+            _left(conn, deadline)
+    chunks.append(resp.read())  # nothing left to read: it closes the answer, so the connection takes the next call
+    return b"".join(chunks)
 
 
 def _shut(conn: http.client.HTTPConnection) -> None:

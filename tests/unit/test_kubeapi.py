@@ -30,7 +30,7 @@ from plugin.kube.errors import ApiFailure
 from plugin.kube.views import NodeView, PodView
 from tests.fakes.fake_apiserver import FakeApiServer
 
-FM = "fieldManager=gpu-health-device-plugin"
+FM = "fieldManager=gpu-health-device-plugin&timeout=10000ms"  # writes carry the client's timeout to the server
 CONDITION = {"type": "GPUHealthy", "status": "True", "reason": "GPUsHealthy", "message": "8 of 8 healthy",
              "lastHeartbeatTime": "2026-01-01T00:00:00Z", "lastTransitionTime": "2026-01-01T00:00:00Z"}
 
@@ -338,6 +338,36 @@ def test_connection_refused_and_a_silent_server_are_transport_failures(api: Fake
         cfg = kubeconfig(tmp_path, {"server": f"http://127.0.0.1:{silent.getsockname()[1]}"}, {}, "silent")
         slow = failure(lambda: KubeClient(cfg, timeout_s=0.3).get_node("n1"))
     assert slow.status is None and slow.message == "TimeoutError: timed out"
+
+
+def test_the_timeout_bounds_the_whole_call_not_each_read(tmp_path: Path) -> None:
+    """A server that trickles its answer a byte at a time, each byte well within the timeout: the old per-read
+    timeout waited for all of it (the controller's fencing bound would not hold); the call now gives up at its
+    timeout, with most of the answer unsent."""
+    body = b'{"metadata":{"name":"n1"}}'.ljust(400)
+    sent = []
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        def trickle() -> None:
+            peer, _ = srv.accept()
+            with peer:
+                peer.recv(65536)
+                peer.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n" % len(body))
+                try:
+                    for i in range(len(body)):
+                        peer.sendall(body[i:i + 1])
+                        sent.append(i)
+                        time.sleep(0.02)  # the pace of the trickle, not a wait for an event
+                except OSError:
+                    pass  # the client gave up and closed
+
+        server = threading.Thread(target=trickle)
+        server.start()
+        cfg = kubeconfig(tmp_path, {"server": f"http://127.0.0.1:{srv.getsockname()[1]}"}, {})
+        gave_up = failure(lambda: KubeClient(cfg, timeout_s=1.0).patch_node("n1", {"metadata": {}}))
+        server.join()
+    assert gave_up.status is None and gave_up.message == "TimeoutError: timed out", gave_up.message
+    assert len(sent) < len(body), "the client read the whole trickle"
 
 
 def test_close_from_another_thread_ends_a_request_in_flight_at_once(tmp_path: Path) -> None:

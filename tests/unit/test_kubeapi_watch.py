@@ -196,6 +196,6 @@ def test_request_sends_the_query_and_the_field_manager_on_writes(client_for: Any
                        "application/json")
         (_, _, q1, _), (m2, _, q2, _) = server.requests
         assert q1 == {"limit": ["500"], "labelSelector": ["a=b"]}
-        assert m2 == "PUT" and q2 == {"fieldManager": ["gpu-health-controller"]}
+        assert m2 == "PUT" and q2 == {"fieldManager": ["gpu-health-controller"], "timeout": ["10000ms"]}
     finally:
         server.close()
