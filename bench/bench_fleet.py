@@ -53,6 +53,7 @@ sys.path.insert(0, str(REPO))
 
 from bench._common import compiled_env, cpu_seconds, machine, pct, rss_mib  # noqa: E402
 from bench._fleet import NAMESPACE, Fleet  # noqa: E402
+from plugin.controller.config import ControllerConfig  # noqa: E402
 from plugin.kube.client import LIST_PAGE, KubeClient  # noqa: E402
 from plugin.kube.errors import ApiFailure  # noqa: E402
 
@@ -64,6 +65,7 @@ TAINT = "gpu-health.io/quarantine"
 LARGE_ETCD_ARGS = ("--quota-backend-bytes=8589934592",)
 LARGE_APISERVER_ARGS = ("--max-requests-inflight=1600", "--max-mutating-requests-inflight=800")
 LEASE = "gpu-health-controller"
+WRITE_TIMEOUT_S = ControllerConfig().write_timeout_s  # the controller runs with the default
 
 
 def get_lease(client: KubeClient) -> dict[str, Any]:
@@ -137,7 +139,8 @@ def probe_main(mode: str, kubeconfig: Path) -> None:
 
     out: dict[str, Any] = {"mode": mode}
     if mode != "imports":
-        api = KubeClient(kubeconfig, component=CONTROLLER, list_page_size=LIST_PAGE if mode == "whole" else int(mode))
+        api = KubeClient(kubeconfig, 300.0, component=CONTROLLER,
+                         list_page_size=LIST_PAGE if mode == "whole" else int(mode))
         rec = Reconciler(api, Settings(keys=Keys("gpu-health.io"), rules=Rules()), _Standby())
         t0 = time.monotonic()
         if mode == "whole":  # what the controller did before issue 24: every page kept until the last
@@ -431,7 +434,9 @@ def run(n: int, changes: int, idle_s: float, seed: int, lease_duration_s: int, r
         port = free_port()
         proc = start_controller(fleet, work, kubeconfig, port, breaker, writers, nice)
         try:
-            client = KubeClient(fleet.kubeconfig)
+            # The bench's own reads include whole-fleet LISTs (about 1 GB at 50,000 Nodes): a call's timeout bounds
+            # the whole call, so this client gets minutes, not the default 10 s.
+            client = KubeClient(fleet.kubeconfig, timeout_s=300.0)
             sync_s = wait_synced(client, proc, port)
             memory = {"rss_ready_mib": round(rss_mib(proc.pid), 1), "peak_ready_mib": round(peak_rss_mib(proc.pid), 1)}
             churn = StatusChurn(fleet, status_rate).start()
@@ -467,6 +472,7 @@ def run(n: int, changes: int, idle_s: float, seed: int, lease_duration_s: int, r
             churn.stop()
             rss_after = round(rss_mib(proc.pid), 1)
             memory["peak_end_mib"] = round(peak_rss_mib(proc.pid), 1)
+            fencing = write_times(fleet, user, work / "controller.log")
         finally:
             proc.terminate()
             proc.wait(20)
@@ -491,7 +497,22 @@ def run(n: int, changes: int, idle_s: float, seed: int, lease_duration_s: int, r
                              "p99_ms": round(pct(after, 99) * 1000, 1)},
             "latency": {"n": len(lat), "p50_ms": round(statistics.median(lat) * 1000, 1),
                         "p99_ms": round(pct(lat, 99) * 1000, 1), "max_ms": round(max(lat) * 1000, 1)},
-            "idle": idle, "fleet_idle": fleet_cpu, "storm": storm, "rss_after_storm_mib": rss_after}
+            "idle": idle, "fleet_idle": fleet_cpu, "storm": storm, "rss_after_storm_mib": rss_after,
+            "fencing": fencing}
+
+
+def write_times(fleet: Fleet, user: str, log: Path) -> dict[str, Any]:
+    """How long the API server took over each of the controller's writes (received to answered, from the audit
+    log) over the whole run, storm included, against the fencing bound: every call is given up at --write-timeout
+    (4 s by default, under lease duration - renew deadline); a write the server took longer over would be one the
+    controller dropped. And the calls the controller did give up (TimeoutError in its log)."""
+    took = sorted(r.completed - r.time for r in fleet.requests() if r.user == user and r.completed
+                  and r.verb in ("create", "update", "patch", "delete"))
+    over = sum(1 for t in took if t >= WRITE_TIMEOUT_S)
+    return {"writes": len(took), "p50_ms": round(statistics.median(took) * 1000, 1) if took else None,
+            "p99_ms": round(pct(took, 99) * 1000, 1) if took else None,
+            "max_ms": round(took[-1] * 1000, 1) if took else None, "over_timeout": over,
+            "timeout_s": WRITE_TIMEOUT_S, "given_up": log.read_text(errors="replace").count("TimeoutError")}
 
 
 def main() -> None:
@@ -586,6 +607,11 @@ def main() -> None:
               f"controller {storm['requests_per_s']} requests/s, {storm['writes_per_s']} writes/s, CPU "
               f"{storm['cpu_pct']}% over {storm['window_s']}s); "
               f"RSS after {r['rss_after_storm_mib']} MiB")
+        fe = r["fencing"]
+        print(f"{r['nodes']:>5} nodes: the controller's writes on the API server (received -> answered), "
+              f"{fe['writes']} writes: p50 {fe['p50_ms']} ms, p99 {fe['p99_ms']} ms, max {fe['max_ms']} ms; "
+              f"{fe['over_timeout']} took {fe['timeout_s']:g} s (the write timeout) or more; {fe['given_up']} calls "
+              f"given up by the controller")
         sr = r["status_reports"]
         if sr["rate_per_s"]:
             print(f"{r['nodes']:>5} nodes: {sr['rate_per_s']} status reports/s while the controller ran: {sr['sent']} "

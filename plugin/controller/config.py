@@ -262,6 +262,11 @@ class ControllerConfig:
     retry_period_s: float = field(default=2.0, metadata=spec(
         Duration(positive=True), "time between tries to acquire or renew the Lease; less than the renew deadline",
         "DURATION", flag="--retry-period", key="leaderElection.retryPeriod"))
+    write_timeout_s: float = field(default=4.0, metadata=spec(
+        Duration(positive=True), "longest one API call of the controller may take, from connect to the answer, and "
+        "the server-side timeout sent with each write; less than the lease duration minus the renew deadline, so "
+        "that no write lands after a standby may have taken the Lease over", "DURATION", flag="--write-timeout",
+        key="leaderElection.writeTimeout"))
     config_file: Path | None = field(default=None, metadata=spec(
         optional_path, "versioned YAML config file (version: v1)", "FILE", flag="--config", key="",
         shown_default="none"))
@@ -322,6 +327,26 @@ def _check_less(values: dict[str, Any], labels: dict[str, str], small: str, big:
                      f"must be more than {named(small)}, got {format_duration(values[big])}")
 
 
+def _check_fenced(values: dict[str, Any], labels: dict[str, str]) -> None:
+    """The fencing rule: a write the leader sends at the last instant of its term either lands or is given up before
+    a standby may take over (term: renew deadline after its last renewal was sent; takeover: lease duration after a
+    standby saw that renewal). So every call's timeout is less than the gap between the two."""
+    gap = values["lease_duration_s"] - values["renew_deadline_s"]
+    if values["write_timeout_s"] < gap:
+        return
+    rule = (f"must be less than the lease duration minus the renew deadline "
+            f"({format_duration(values['lease_duration_s'])} - {format_duration(values['renew_deadline_s'])} = "
+            f"{format_duration(gap)}), so that no write lands after a standby may have taken over")
+    if "write_timeout_s" in labels or not ({"lease_duration_s", "renew_deadline_s"} & labels.keys()):
+        raise FieldError(labels.get("write_timeout_s", option("write_timeout_s").flag),
+                         f"{rule}, got {format_duration(values['write_timeout_s'])}")
+    name = "renew_deadline_s" if "renew_deadline_s" in labels else "lease_duration_s"
+    wt = format_duration(values["write_timeout_s"]) + ("" if "write_timeout_s" in labels else ", the default")
+    raise FieldError(labels[name], f"leaves {format_duration(gap)} between the renew deadline and the lease duration: "
+                     f"the write timeout ({wt}) must be less, so that no write lands after a standby may have taken "
+                     f"over")
+
+
 def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> ControllerConfig:
     """Parse the flags, read the file they or the environment name, merge flags > environment > file > defaults and
     check every value; a bad one raises FieldError naming it where it was written. ``--help`` prints the options
@@ -336,6 +361,7 @@ def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         values["identity"] = socket.gethostname() or PROG
     _check_less(values, labels, "renew_deadline_s", "lease_duration_s")
     _check_less(values, labels, "retry_period_s", "renew_deadline_s")
+    _check_fenced(values, labels)
     return ControllerConfig(**values, config_file=config_file)
 
 

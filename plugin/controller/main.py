@@ -21,6 +21,7 @@ from plugin.controller.reconciler import Reconciler, Settings
 from plugin.controller.watcher import NodeWatcher
 from plugin.kube.client import KubeClient
 from plugin.kube.errors import ApiFailure
+from plugin.options.durations import format_duration
 
 log = logging.getLogger("plugin.controller")
 
@@ -46,11 +47,12 @@ class Controller:
         # Three connections: the watch holds its own; the Lease renewals must never queue behind a slow write. And
         # one per quarantine writer when there is more than one (--write-concurrency): each has one request in flight.
         def client() -> KubeClient:
-            return KubeClient(cfg.kubeconfig, component=CONTROLLER)
+            return KubeClient(cfg.kubeconfig, cfg.write_timeout_s, component=CONTROLLER)
 
         self.work_api = client()
         self.lease_api = client()
-        self.watch_api = client()
+        # Reads only (LIST pages of a big fleet, the watch): the client's default timeout, not the fencing bound.
+        self.watch_api = KubeClient(cfg.kubeconfig, component=CONTROLLER)
         self.writer_apis = [client() for _ in range(cfg.write_concurrency)] if cfg.write_concurrency > 1 else []
         self.reconciler: Reconciler
         self.leader = LeaderElector(self.lease_api, cfg.namespace, cfg.lease_name, cfg.identity,
@@ -87,8 +89,15 @@ class Controller:
         log.info("effective config: %s", json.dumps(self.cfg.effective(), sort_keys=True))
 
     def stop(self) -> None:
-        self.reconciler.stop()
-        self.leader.stop(release=True)
+        """SIGTERM: no write starts from here; those in flight land or time out (each within --write-timeout);
+        only then is the Lease handed back, so the next leader never races one of ours. At worst three write
+        timeouts: the drain, the elector's renewal in flight, the hand-back (13 s at the default 4 s, inside the
+        Deployment's 15 s grace period)."""
+        drained = self.reconciler.stop(timeout_s=self.cfg.write_timeout_s + 1.0)
+        if not drained:
+            log.warning("stopping with a write still in flight: the lease is not handed back; a standby takes over "
+                        "when it lapses (%s)", format_duration(self.cfg.lease_duration_s))
+        self.leader.stop(release=drained)
         self.watcher.stop()
         if self.metrics is not None:
             self.metrics.stop()

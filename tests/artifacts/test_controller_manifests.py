@@ -382,7 +382,8 @@ def test_config_file_is_v1_with_the_documented_defaults(rendered: dict[str, list
         "drain": {"enabled": False, "evictionsPerMinute": 10},
         "release": {"recoveryHold": "10m", "repeatLimit": 5, "repeatWindow": "168h"},
         "breaker": {"maxQuarantinedFraction": 0.1, "maxQuarantinedNodes": 0},
-        "leaderElection": {"leaseDuration": "15s", "renewDeadline": "10s", "retryPeriod": "2s"},
+        "leaderElection": {"leaseDuration": "15s", "renewDeadline": "10s", "retryPeriod": "2s",
+                           "writeTimeout": "4s"},
     }
 
 
@@ -400,8 +401,8 @@ def test_the_controller_loads_the_shipped_config_and_args_to_its_defaults(
     defaults = ControllerConfig()
     for name in ("unhealthy_devices", "unhealthy_fraction", "reboot_required", "capacity_gap", "no_execute_after_s",
                  "cordon", "quarantine_label", "drain", "drain_per_minute", "recovery_hold_s", "repeat_limit",
-                 "repeat_window_s",
-                 "max_quarantined_fraction", "lease_duration_s", "renew_deadline_s", "retry_period_s"):
+                 "repeat_window_s", "max_quarantined_fraction", "lease_duration_s", "renew_deadline_s",
+                 "retry_period_s", "write_timeout_s"):
         assert getattr(cfg, name) == getattr(defaults, name), name
     assert cfg.identity == "p"
     drain_deploy = find(rendered["controller-drain"], "Deployment", NAME)

@@ -59,6 +59,7 @@ SAMPLES: dict[str, tuple[str, Any, str, Any]] = {
     "lease_duration_s": ("30s", 30.0, "20", 20.0),
     "renew_deadline_s": ("5s", 5.0, "8", 8.0),
     "retry_period_s": ("1s", 1.0, "500ms", 0.5),
+    "write_timeout_s": ("3s", 3.0, "2.5", 2.5),
 }
 SETTABLE = [o for o in ctl.OPTIONS if o is not ctl.CONFIG_OPTION]
 IN_FILE = [o for o in SETTABLE if o.key]
@@ -127,7 +128,8 @@ def test_the_file_schema_is_the_agreed_one() -> None:
         "drain.enabled", "drain.evictionsPerMinute", "release.recoveryHold", "release.repeatLimit",
         "release.repeatWindow", "breaker.maxQuarantinedFraction",
         "breaker.maxQuarantinedNodes",
-        "leaderElection.leaseDuration", "leaderElection.renewDeadline", "leaderElection.retryPeriod"}
+        "leaderElection.leaseDuration", "leaderElection.renewDeadline", "leaderElection.retryPeriod",
+        "leaderElection.writeTimeout"}
     assert ctl.option("reset_breaker").key == "" and ctl.CONFIG_OPTION.key == ""
 
 
@@ -270,6 +272,17 @@ FLAG_REJECTIONS: list[tuple[list[str], str, str]] = [
     (["--retry-period", "10s"], "--retry-period", "less than the renew deadline (10s, the default)"),
     (["--renew-deadline", "4s", "--retry-period", "4s"], "--retry-period",
      "less than --renew-deadline (4s), got 4s"),
+    # Fencing (issue 35, 4): every call ends before a standby may take over.
+    (["--write-timeout", "0"], "--write-timeout", "above 0"),
+    (["--write-timeout", "5s"], "--write-timeout",
+     "less than the lease duration minus the renew deadline (15s - 10s = 5s), so that no write lands after a "
+     "standby may have taken over, got 5s"),
+    (["--renew-deadline", "12s"], "--renew-deadline",
+     "leaves 3s between the renew deadline and the lease duration: the write timeout (4s, the default) must be less"),
+    (["--lease-duration", "13s"], "--lease-duration", "leaves 3s between"),
+    (["--lease-duration", "30s", "--renew-deadline", "20s", "--write-timeout", "10s"], "--write-timeout",
+     "(30s - 20s = 10s)"),
+    (["--lease-duration", "12s", "--write-timeout", "3s"], "--write-timeout", "(12s - 10s = 2s)"),
     # The command line itself.
     (["--recovery"], "--recovery", "unknown flag"),
     (["--drain-rate=5", "--bogus=1"], "--bogus", "unknown flag"),
@@ -284,6 +297,16 @@ def test_bad_flags_name_the_flag(argv: list[str], field: str, fragment: str) -> 
     assert err.field == field, str(err)
     assert fragment in err.message, str(err)
     assert str(err) == f"{field}: {err.message}" and "\n" not in str(err)
+
+
+def test_the_write_timeout_fits_the_lease_or_is_refused() -> None:
+    assert load([], {}).write_timeout_s == 4.0  # under the defaults' bound: 15 s - 10 s
+    wide = load(["--lease-duration", "30s", "--renew-deadline", "20s", "--write-timeout", "9.5s"], {})
+    assert wide.write_timeout_s == 9.5
+    assert load([], {"GPU_HEALTH_CONTROLLER_WRITE_TIMEOUT": "2s", "GPU_HEALTH_CONTROLLER_LEASE_DURATION": "13s"}
+                ).write_timeout_s == 2.0
+    err = error([], {"GPU_HEALTH_CONTROLLER_LEASE_DURATION": "13s"})
+    assert err.field == "GPU_HEALTH_CONTROLLER_LEASE_DURATION" and "write timeout (4s, the default)" in err.message
 
 
 def test_an_empty_kubeconfig_means_in_cluster() -> None:
@@ -323,6 +346,9 @@ FILE_REJECTIONS: list[tuple[str, str, str]] = [
      "less than the lease duration (15s, the default), got 15s"),
     ("version: v1\nleaderElection:\n  leaseDuration: 10s\n  renewDeadline: 12s\n", "leaderElection.renewDeadline",
      "less than leaderElection.leaseDuration (10s), got 12s"),
+    ("version: v1\nleaderElection:\n  writeTimeout: 6s\n", "leaderElection.writeTimeout", "(15s - 10s = 5s)"),
+    ("version: v1\nleaderElection:\n  leaseDuration: 20s\n  renewDeadline: 18s\n", "leaderElection.renewDeadline",
+     "leaves 2s between"),
     ("version: v1\npolicy:\n  unhealthyDevice: 1\n", "policy.unhealthyDevice", "unknown key (known: "),
     ("version: v1\nrecoveryHold: 5m\n", "recoveryHold", "belongs at release.recoveryHold"),
     ("version: v1\npolicy:\n  recoveryHold: 5m\n", "policy.recoveryHold", "belongs at release.recoveryHold"),
