@@ -62,6 +62,8 @@ class ControllerCollector:
                             self.r.stats.evictions_blocked)
         yield CounterFamily(P + "node_lists", "full LISTs of the Nodes (start, 410 Gone, resync)", self.w.lists)
         yield CounterFamily(P + "node_watch_events", "watch events received", self.w.events)
+        yield CounterFamily(P + "decisions", "nodes the leader looked at (each changed or due node, once per step): "
+                            "a fleet at rest adds none, a change adds one", self.r.stats.decisions)
 
 
 class ControllerProbes:

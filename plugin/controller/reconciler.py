@@ -76,6 +76,11 @@ class NotLeading(Exception):
     """The Lease was lost (or its renewal is overdue) just before a write: the write is not made."""
 
 
+class Stopping(NotLeading):
+    """The process is stopping (SIGTERM): no write starts any more; the Lease is handed back once those in flight
+    are done."""
+
+
 class Refused(Exception):
     """A write the API server refused for good (see :func:`permanent`)."""
 
@@ -153,6 +158,7 @@ class Stats:
     events_posted: int = 0
     event_failures: int = 0
     evictions_blocked: int = 0
+    decisions: int = 0  # Nodes the leader looked at (worker thread only): proof of a loop at work, for probes
     last_error: str = ""
     # The writer threads count too (their requests, their Events): one read-modify-write at a time.
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -248,6 +254,11 @@ class Reconciler:
         with self._cond:
             seen, self._listed = self._listed, set()
             self._forget_unseen(seen)
+            if not self.synced and self._leading:
+                # Led before the cache was whole: the steps the pages woke dropped what they marked (a step that
+                # may not act keeps nothing), so everything is looked at once now, as at a leadership change.
+                self._dirty.update(dict.fromkeys(self.gpu_nodes))
+                self._dirty.update(dict.fromkeys(self._lost))
             self.synced = True
             self._cond.notify_all()
 
@@ -416,14 +427,22 @@ class Reconciler:
         self._thread = threading.Thread(target=self._run, name="reconcile", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 10.0) -> bool:
+        """No write starts from now on; wait up to ``timeout_s`` for the worker to finish its step, the writes in
+        flight landing or failing within their client timeout. True when nothing is in flight any more (the Lease
+        may be handed back); False when something still is (it must not: the Lease then lapses by itself)."""
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
         if self._thread is not None:
-            self._thread.join(10.0)
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                if self._pool is not None:
+                    self._pool.shutdown(wait=False, cancel_futures=True)
+                return False
         if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool.shutdown(wait=True, cancel_futures=True)  # idle by now: the step awaited its writes
+        return True
 
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -462,13 +481,17 @@ class Reconciler:
         self._flush_lease_events()
         try:
             for name in todo:
-                if self._halted or not self.leader.is_leader():
-                    break  # lost the Lease mid-batch: stop writing at once
+                if self._halted or self._stop.is_set() or not self.leader.is_leader():
+                    break  # lost the Lease mid-batch, or stopping: no further write starts
                 try:
+                    self.stats.decisions += 1
                     self._decide(name, now)
                     e = self.entries.get(name)
                     if e is not None and name not in self._handed:  # a handed write resets it when it lands
                         e.backoff.reset()
+                except Stopping:
+                    log.info("reconcile %s: stopping; no further write starts", name)
+                    break
                 except NotLeading:
                     log.info("reconcile %s: no longer the leader; stopping before the next write", name)
                     break
@@ -623,10 +646,10 @@ class Reconciler:
                 # would have before this Node was looked at on the inline path.
                 self._await_writes(0, now)
                 allowed = self._reserve(name)
-            if self._halted:
+            if self._halted or self._stop.is_set():
                 with self._cond:
                     self._reserved.discard(name)
-                raise NotLeading()
+                raise Stopping() if self._stop.is_set() else NotLeading()
             if allowed:
                 self._quarantine(e, a, now)
                 if name not in self._handed:
@@ -719,8 +742,14 @@ class Reconciler:
         if self._pool is not None:
             with self._cond:
                 api = self._free.pop()  # _decide waited for one
+            try:
+                self._pool.submit(self._write_out, api, e, patch, event, said, seen)
+            except RuntimeError:  # the pool was shut down: stop() gave up waiting for this step
+                with self._cond:
+                    self._free.append(api)
+                    self._reserved.discard(f.name)
+                raise Stopping() from None
             self._handed.add(f.name)
-            self._pool.submit(self._write_out, api, e, patch, event, said, seen)
             return
         self._send_quarantine(e, patch, event, said, seen, self.api)
         self._quarantined(e, now)
@@ -797,6 +826,8 @@ class Reconciler:
                     e.blocked_told = False
                     e.backoff.reset()
                     self._quarantined(e, now)
+            elif isinstance(w.outcome, Stopping):
+                log.info("reconcile %s: stopping; its quarantine was not written", w.name)
             elif isinstance(w.outcome, NotLeading):
                 log.info("reconcile %s: no longer the leader; no further write in this step", w.name)
             elif isinstance(w.outcome, Refused):
@@ -833,9 +864,11 @@ class Reconciler:
 
     def _must_lead(self) -> None:
         """Asked right before each write: a Lease lost since the last question (a renewal overdue while an earlier
-        request was in flight) stops the writes here, not at the next Node."""
+        request was in flight) stops the writes here, not at the next Node; so does a stop."""
         if not self.leader.is_leader():
             raise NotLeading()
+        if self._stop.is_set():  # after the question: a stop that lands while it is asked is seen
+            raise Stopping()
 
     def _write(self, e: Entry, action: str, patch: dict[str, Any], api: ControllerApi | None = None) -> None:
         self._must_lead()
@@ -955,6 +988,9 @@ class Reconciler:
         if not self.leader.is_leader():
             # Only the leader speaks for the controller; the Node's record says what was done.
             log.info("event %s not posted: no longer the leader", body.get("reason"))
+            return
+        if self._stop.is_set():
+            log.info("event %s not posted: stopping", body.get("reason"))
             return
         try:
             (api or self.api).create_event(namespace, body)

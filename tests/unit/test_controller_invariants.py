@@ -6,7 +6,8 @@ Rules: devices failing and recovering (with honest or forged ``since``), the sto
 vanishing and returning, Nodes leaving and joining ``--node-selector``, deletions and re-creations, an operator's
 cordons, taints and labels (including a label of the ``--quarantine-label`` key, and a taint of our key) put on and
 taken off, an agent forging the old-prefix record, 409s, a webhook's lasting 403, throttling, 410-triggered LISTs,
-the Lease lost in the middle of a step, hand-over, a replica restarting with another ``--quarantine-label``,
+the Lease lost in the middle of a step, hand-over, a replica restarting with another ``--quarantine-label``, SIGTERM
+landing at any leadership question or while any request is in flight (the process then drains and exits),
 operator breaker resets, and an operator's release requests (with a repeat limit of 2, so that a second quarantine
 makes a repeat offender; the agent forges a request and a history under its own prefix).
 
@@ -14,7 +15,9 @@ After every step:
 - a quarantine is only added while the quarantined count (the API's truth: Nodes carrying our record) stays within
   the limit computed from the denominator rule (GPU nodes matching the selector plus Nodes carrying our record);
 - nothing an operator put on a Node (a cordon, a taint, a label value) is taken off or changed;
-- no replica writes (Node patch, eviction, Event) while its leadership says it does not lead;
+- no replica writes (Node patch, eviction, Event) while its leadership says it does not lead, nor starts a write
+  after its stop (a write counts as started after the stop when the leadership question before it, on the same
+  thread, came after the stop; one in flight when the stop lands may finish);
 - a repeat offender is released, and a node's quarantine count reset, only while an operator's release request is on
   the Node the patch was decided on (checked at every Node patch).
 The same machine runs again with three quarantine writers per replica (``Reconciler(writers=...)``, each its own
@@ -75,6 +78,11 @@ class Replica:
         self.told = False  # what leadership_changed last said
         self.lose_after: int | None = None  # the Lease expires at this question ...
         self.lose_during: int | None = None  # ... or while this request (counted from 0) is in flight
+        self.stop_after: int | None = None  # SIGTERM lands at this question ...
+        self.stop_during: int | None = None  # ... or while this request is in flight
+        self.stopped = False  # the stop landed: the process drains, hands the Lease back and exits
+        self.exited = False
+        self.asked = threading.local()  # per thread: whether its last leadership question came after the stop
         self.label = m.label
         settings = Settings(keys=KEYS, rules=Rules(), recovery_hold_s=HOLD_S, no_execute_after_s=20.0,
                             cordon=True, label=self.label, max_quarantined_fraction=FRACTION,
@@ -88,11 +96,11 @@ class Replica:
     # Leadership, as the reconciler asks it
     def is_leader(self) -> bool:
         with self.lock:
-            if self.lose_after is not None:
-                if self.lose_after <= 0:
-                    self.leader, self.lose_after = False, None
-                else:
-                    self.lose_after -= 1
+            if self.due("stop_after"):
+                self._sigterm()
+            self.asked.after_stop = self.stopped
+            if self.due("lose_after"):
+                self.leader = False
             return self.leader
 
     def annotations(self) -> dict[str, str]:
@@ -105,6 +113,19 @@ class Replica:
         if self.leader:  # rides on a renewal: only the holder writes the Lease
             self.m.lease[key] = value
 
+    def due(self, countdown: str) -> bool:
+        """One question (or request) off a countdown (under self.lock); True when it runs out, which clears it."""
+        left = getattr(self, countdown)
+        if left is None:
+            return False
+        setattr(self, countdown, None if left <= 0 else left - 1)
+        return bool(left <= 0)
+
+    def _sigterm(self) -> None:
+        """What the signal handler does, on whatever thread is running: the stop flag goes up (under self.lock)."""
+        self.stopped = True
+        self.rec._stop.set()
+
     def tell(self) -> None:
         if not self.leader:
             self.lose_after = self.lose_during = None
@@ -113,6 +134,8 @@ class Replica:
             self.rec.leadership_changed(self.leader)
 
     def step(self) -> None:
+        if self.stopped:
+            return  # the process is gone
         for _ in range(6):  # what the worker does: work queued now is done now
             due = self.rec.step(self.m.clock.now)
             self.tell()
@@ -133,16 +156,17 @@ class ReplicaApi:
     def _check(self, what: str) -> None:
         if not self.replica.leader:
             self.api.unled_writes.append(f"{self.replica.name}: {what}")
+        if getattr(self.replica.asked, "after_stop", False):
+            self.api.unled_writes.append(f"{self.replica.name}: {what}, started after the stop")
         self._in_flight()
 
     def _in_flight(self) -> None:
         r = self.replica
         with r.lock:
-            if r.lose_during is not None:
-                if r.lose_during <= 0:
-                    r.leader, r.lose_during = False, None  # the renewal deadline passed while this request waited
-                else:
-                    r.lose_during -= 1
+            if r.due("stop_during"):
+                r._sigterm()
+            if r.due("lose_during"):
+                r.leader = False  # the renewal deadline passed while this request waited
 
     def get_node_doc(self, name: str) -> dict[str, Any]:
         self._in_flight()
@@ -237,6 +261,15 @@ class ControllerMachine(RuleBasedStateMachine):
     def _step_all(self) -> None:
         for r in self.replicas:
             r.step()
+            if r.stopped and not r.exited:
+                self._exit(r)
+
+    def _exit(self, r: Replica) -> None:
+        """The rest of a SIGTERM: the writes in flight are done (rec.stop says so), then the Lease goes back."""
+        assert r.rec.stop(timeout_s=5.0), f"{r.name}: writes still in flight at its exit"
+        r.exited = True
+        r.leader = False
+        r.told = False
 
     def _ours(self, nodes: dict[str, dict[str, Any]] | None = None) -> set[str]:
         nodes = self.api.snapshot() if nodes is None else nodes
@@ -453,9 +486,26 @@ class ControllerMachine(RuleBasedStateMachine):
         else:
             leader.lose_after = when
 
+    @rule(when=st.integers(0, 6), in_flight=st.sampled_from((True, False)), slot=st.integers(0, 1))
+    def sigterm(self, when: int, in_flight: bool, slot: int) -> None:
+        """SIGTERM for one replica, landing at its n-th leadership question from now or while its n-th request is
+        in flight, in whatever step that falls; the process then drains, hands the Lease back and is gone (until
+        standby_restarts starts one in its place)."""
+        r = self.replicas[slot]
+        if r.stopped:
+            return
+        if in_flight:
+            r.stop_during = when
+        else:
+            r.stop_after = when
+
     @rule(slot=st.integers(0, 1))
     def acquire(self, slot: int) -> None:
         if self._leader() is None:
+            if self.replicas[slot].stopped:
+                slot = 1 - slot
+            if self.replicas[slot].stopped:
+                return
             self.replicas[slot].leader = True
             self.replicas[slot].tell()
 
@@ -464,9 +514,11 @@ class ControllerMachine(RuleBasedStateMachine):
         leader = self._leader()
         if leader is None:
             return
+        other = self.replicas[1 - self.replicas.index(leader)]
+        if other.stopped:
+            return
         leader.leader = False
         leader.tell()
-        other = self.replicas[1 - self.replicas.index(leader)]
         other.leader = True
         other.tell()
 
@@ -486,9 +538,11 @@ class ControllerMachine(RuleBasedStateMachine):
         # Known limit (docs/fleet.md): what an operator took off and put back is known to the running replicas only
         # until the leader writes it into the record (at once, unless that write fails): a restart before then
         # forgets it. (A Node we hold outside the selector is found through the Lease's out-of-sight list.)
-        if any(e.disowned for r in self.replicas for e in r.rec.entries.values()):
+        if any(e.disowned for r in self.replicas if not r.stopped for e in r.rec.entries.values()):
             return None
-        return next((slot for slot, r in enumerate(self.replicas) if not r.leader), None)
+        gone = next((slot for slot, r in enumerate(self.replicas) if r.stopped), None)
+        return gone if gone is not None else next((slot for slot, r in enumerate(self.replicas) if not r.leader),
+                                                  None)
 
     # Invariants ----------------------------------------------------------------------------------------------------
 
@@ -558,7 +612,9 @@ class ControllerMachine(RuleBasedStateMachine):
         self.operator_resets_the_breaker()
         self.watch_gone_relist()  # a resync: refusals on the old inputs get their try
         for r in self.replicas:
-            r.lose_after = r.lose_during = None
+            r.lose_after = r.lose_during = r.stop_after = r.stop_during = None
+        while self._restartable() is not None and any(r.stopped for r in self.replicas):
+            self.standby_restarts(self.label)
         self._run_past_the_hold()
         # Everything is released but the repeat offenders nobody asked for (check_release saw to that); then the
         # operator asks for those, and they go too.

@@ -89,6 +89,27 @@ def test_a_new_leader_finds_the_quarantined_nodes_outside_the_selector_through_t
     assert "n0" not in rig.quarantined()
 
 
+def test_a_leader_elected_before_its_first_list_completes_decides_the_nodes_that_were_already_failing() -> None:
+    """Found by the SIGTERM storm test on a busy API server: the Lease came before the first LIST's last page. The
+    steps the pages woke (leading, not yet synced) dropped the dirty set, the end of the LIST marked nothing, and
+    1,000 failing nodes sat undecided until each changed again. A fresh controller (a roll-out, a crash) on a big
+    fleet, where the LIST takes tens of seconds and a handed-back Lease is taken at once, met it on every start."""
+    failing = [gpu_node(f"n{i}", {0: "Unhealthy"}) for i in range(3)]
+    healthy = [gpu_node(f"h{i}") for i in range(3)]
+    rig = Rig([*failing, *healthy], leader=False, max_quarantined_fraction=1.0)
+    rec = Reconciler(rig.api, rig.settings, rig.lead, clock=rig.clock)  # a new process: nothing listed yet
+    rig.lead.leader = True
+    rec.leadership_changed(True)  # the Lease first
+    pages = rig.api.list_nodes("")[0]
+    rec.begin_list()
+    for page in (pages[:2], pages[2:4], pages[4:]):
+        rec.list_page(page)
+        rec.step(rig.clock.now)  # each page wakes the worker, before the LIST is whole
+    rec.end_list()
+    rec.step(rig.clock.now)
+    assert rig.quarantined() == ["n0", "n1", "n2"]
+
+
 def test_a_quarantined_node_missing_from_a_relist_still_counts() -> None:
     rig = Rig(stock_fleet(), recovery_hold_s=60)
     gap(rig, "n0", 7)

@@ -171,6 +171,41 @@ def test_no_write_starts_once_the_lease_is_lost_with_writes_in_flight() -> None:
     assert Counter(storm.patches()) == {f"patch node n{i:03}": 1 for i in range(12)}
 
 
+@pytest.mark.parametrize("writers", [0, 4])
+def test_a_stop_mid_storm_starts_no_write_and_returns_once_those_in_flight_are_done(writers: int) -> None:
+    """Issue 35, 5: SIGTERM while 1,000 candidates wait and the server holds every PATCH. The stop waits for the
+    writes in flight, starts none (no further PATCH, no Event), and says the Lease may go. Before the fix the worker
+    went on for up to 10 s, then the pool was shut under it and stop() returned with writes in flight."""
+    storm = Storm(writers, bad=1000, good=0, cap=0)
+    storm.api.hold_patches.clear()
+    storm.rec.start()
+    in_flight = max(1, writers)
+    assert storm.api.wait_patches_in_flight(in_flight)
+    result: list[bool] = []
+    stopper = threading.Thread(target=lambda: result.append(storm.rec.stop(timeout_s=30.0)))
+    stopper.start()
+    assert storm.rec._stop.wait(10.0)  # the stop flag is up
+    storm.api.hold_patches.set()  # the slow answers come back
+    stopper.join(30.0)
+    assert result == [True] and not storm.rec.alive()
+    assert len(storm.patches()) == in_flight  # those in flight landed; not one started after the stop
+    assert len(storm.ours()) == in_flight
+    assert storm.events("GPUNodeQuarantined") == []  # an Event is a write too: the Node's record has it
+
+
+def test_a_stop_that_gives_up_on_a_hung_write_says_the_lease_must_not_go_and_starts_nothing_after() -> None:
+    storm = Storm(4, bad=1000, good=0, cap=0)
+    storm.api.hold_patches.clear()
+    storm.rec.start()
+    assert storm.api.wait_patches_in_flight(4)
+    assert storm.rec.stop(timeout_s=0.2) is False  # the writes are still held: the Lease must lapse by itself
+    storm.api.hold_patches.set()
+    assert storm.rec._thread is not None
+    storm.rec._thread.join(30.0)
+    assert not storm.rec.alive()
+    assert len(storm.patches()) == 4 and len(storm.rec._free) == 4  # every writer client back, none lost
+
+
 class Countdown(FakeLeadership):
     """Leads for the first ``questions`` answers of is_leader(), whichever thread asks, then never again."""
 
