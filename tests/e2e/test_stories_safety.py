@@ -8,6 +8,8 @@ installed; each story here says what it needs and the last one leaves nothing be
   or keep a scrape from being answered (docs/reliability.md, the HTTP server's bounds).
 - 31: the breaker's limit holds when a quarantined node stops looking like a GPU node (docs/fleet.md).
 - 32: a node agent cannot forge the controller's record, and the controller never undoes an operator's cordon.
+- 44: the agent's own token writes an annotation nested a thousand deep on its node: the controller reports that node
+  once, goes on quarantining another failing node, and stays ready (issue 35; docs/fleet.md).
 - 33: the plugin's token cannot write another node's ResourceSlice, nor another driver's (docs/dra.md).
 """
 
@@ -289,6 +291,58 @@ def test_32_the_agent_cannot_forge_the_controllers_record_and_the_operators_cord
     local.kubectl("annotate", "node", node, *[f"{k}-" for k in forged])
     local.kubectl("delete", "-k", str(local.c.overlay(CONTROLLER_OVERLAY)), "--wait=true", timeout=200)
     local.kubectl("delete", "-k", str(local.c.overlay("local-cluster")), "--wait=true", timeout=200)
+
+
+# 44: one node's unreadable annotations neither stop the controller nor hide the other nodes ----------------------
+
+def _controller_pod(local: Local) -> dict[str, Any]:
+    pods = json.loads(local.kubectl("get", "pods", "-n", PLUGIN_NS, "-l",
+                                    "app.kubernetes.io/name=gpu-health-controller", "-o", "json"))["items"]
+    [pod] = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+    return dict(pod)
+
+
+def _ready_since(pod: dict[str, Any]) -> str | None:
+    """When the pod last became Ready (its readiness probe is the controller's /readyz); None while it is not."""
+    ready = next((c for c in pod["status"].get("conditions") or [] if c["type"] == "Ready"), None)
+    return str(ready["lastTransitionTime"]) if ready and ready["status"] == "True" else None
+
+
+def test_44_an_agent_writing_an_unreadable_annotation_blinds_the_controller_to_its_node_only(local: Local) -> None:
+    _clean_node(local)
+    pod = _deploy_plugin(local)
+    token = _plugin_token(local, pod)
+    local.kubectl("apply", "-k", str(local.c.overlay(CONTROLLER_OVERLAY)))
+    local.kubectl("-n", PLUGIN_NS, "rollout", "status", "deployment/gpu-health-controller", "--timeout=180s",
+                  timeout=200)
+    ready_at = _until("the controller ready", lambda: _ready_since(_controller_pod(local)))
+    node, key = local.node, "gpu-health.io/gpu.0"
+    _until("the agent's annotations", lambda: key in local.node_json()["metadata"].get("annotations", {}))
+    kept = local.node_json()["metadata"]["annotations"][key]
+    # A compromised agent, with its own bound token: its admission policy admits any value under its prefix.
+    ok, said = _as_plugin(local, token, "annotate", "node", node, "--overwrite", f"{key}={'[' * 1000}{']' * 1000}")
+    assert ok, said
+    try:
+        _until("the bad node reported", lambda: _event(local, node, "GPUAnnotationsUnreadable"))
+        # The bad node changes again (decided again, not reported again); then another node fails.
+        local.kubectl("label", "node", node, "--overwrite", "e2e.example.com/poke=1")
+        a = FAKES[0]
+        _fake_node(local, a, 8, 8)
+        _set_gpus(local, a, 8, 6)
+        _until(f"{a} quarantined while {node} cannot be read", lambda: _ours(local, a))
+        reported = [e for e in local.events("default", "Node", node) if e["reason"] == "GPUAnnotationsUnreadable"]
+        assert len(reported) == 1 and reported[0].get("count", 1) == 1, reported
+        assert "cannot be read" in reported[0]["message"]
+        assert not _ours(local, node)
+        ctl = _controller_pod(local)
+        assert _ready_since(ctl) == ready_at, ctl["status"].get("conditions")  # ready throughout, never flipped
+        assert all(c["restartCount"] == 0 for c in ctl["status"]["containerStatuses"])
+    finally:
+        local.kubectl("annotate", "node", node, "--overwrite", f"{key}={kept}")
+        local.kubectl("label", "node", node, "e2e.example.com/poke-")
+        local.kubectl("delete", "node", FAKES[0], "--wait=true", "--ignore-not-found")
+        local.kubectl("delete", "-k", str(local.c.overlay(CONTROLLER_OVERLAY)), "--wait=true", timeout=200)
+        local.kubectl("delete", "-k", str(local.c.overlay("local-cluster")), "--wait=true", timeout=200)
 
 
 # 33: no plugin pod writes another node's ResourceSlices -------------------------------------------------------------

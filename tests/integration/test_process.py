@@ -7,7 +7,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -39,11 +38,20 @@ def list_devices(socket: Path) -> list[str]:
     return [d.id for d in resp.devices]
 
 
-def stop(proc: subprocess.Popen[str]) -> tuple[int, float, str]:
-    t0 = time.monotonic()
+def grace_period() -> int:
+    """The DaemonSet's terminationGracePeriodSeconds: past it the kubelet kills the plugin."""
+    import yaml
+
+    doc = yaml.safe_load((ROOT / "manifests" / "base" / "daemonset.yaml").read_text())
+    return int(doc["spec"]["template"]["spec"]["terminationGracePeriodSeconds"])
+
+
+def stop(proc: subprocess.Popen[str]) -> tuple[int, str]:
+    """SIGTERM, and the exit within the grace period (TimeoutExpired otherwise): how fast it stops on a quiet
+    machine is a benchmark's figure, not this test's."""
     proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=15)
-    return proc.returncode, time.monotonic() - t0, out
+    out, _ = proc.communicate(timeout=grace_period())
+    return proc.returncode, out
 
 
 def test_sigterm_ends_streams_removes_sockets_and_exits_0(short_socket_dir: Path,
@@ -56,9 +64,8 @@ def test_sigterm_ends_streams_removes_sockets_and_exits_0(short_socket_dir: Path
         assert (short_socket_dir / "dp" / endpoint).exists()
         assert (short_socket_dir / "state" / "health.sock").exists()
     finally:
-        rc, took, out = stop(proc)
+        rc, out = stop(proc)
     assert rc == 0, out
-    assert took < 5.0
     assert not (short_socket_dir / "dp" / endpoint).exists()
     assert not (short_socket_dir / "state" / "health.sock").exists()
     view = kubelet.view()
@@ -74,7 +81,7 @@ def test_json_logs_carry_the_effective_config(short_socket_dir: Path, kubelet: K
     try:
         assert kubelet.wait_for(lambda: kubelet.capacity() == (8, 8), 30)
     finally:
-        rc, _, out = stop(proc)
+        rc, out = stop(proc)
     assert rc == 0
     lines = [json.loads(line) for line in out.splitlines() if line.strip()]
     assert all({"time", "level", "logger", "msg"} <= set(line) for line in lines)
@@ -127,7 +134,7 @@ def test_nvml_missing_with_fail_on_init_error_false_serves_no_devices(short_sock
         assert kubelet.wait_for(lambda: kubelet.view() is not None and kubelet.view().updates >= 1, 30)  # type: ignore
         assert kubelet.capacity() == (0, 0)  # registered, and nothing looks healthy
     finally:
-        rc, _, out = stop(proc)
+        rc, out = stop(proc)
     assert rc == 0 and "NVML unavailable" in out
 
 
@@ -148,7 +155,7 @@ def test_relative_paths_are_taken_against_the_working_directory(short_socket_dir
         assert sorted(list_devices(short_socket_dir / "api" / "health.sock")) == sorted(node.uuids)
         assert (short_socket_dir / "state" / "plugin.lock").exists()
     finally:
-        rc, _, out = stop(proc)
+        rc, out = stop(proc)
     assert rc == 0, out
     first = next(json.loads(line) for line in out.splitlines() if '"effective config' in line)
     effective = json.loads(first["msg"].split(":", 1)[1])
@@ -190,7 +197,7 @@ def test_a_second_instance_on_the_same_state_dir_refuses_and_the_first_keeps_ser
         assert sorted(list_devices(health_sock)) == sorted(node.uuids)
     finally:
         if first.poll() is None:
-            rc, _, out = stop(first)
+            rc, out = stop(first)
             assert rc == 0, out
 
 
@@ -245,7 +252,7 @@ def test_a_handover_successor_serves_next_to_the_holder_then_takes_its_state_ove
         assert _lock_holder_pid(short_socket_dir) == old.pid
         assert sorted(list_devices(health_sock)) == sorted(node.uuids)
         assert new.poll() is None
-        rc, _, old_out = stop(old)
+        rc, old_out = stop(old)
         assert rc == 0, old_out
         # The old one removed its health socket as it stopped; the new one serves it once it holds the lock.
         assert kubelet.wait_for(lambda: health_sock.exists() and _lock_holder_pid(short_socket_dir) == new.pid, 15)
@@ -259,7 +266,7 @@ def test_a_handover_successor_serves_next_to_the_holder_then_takes_its_state_ove
         node.set(5, xid_events=[79])
         assert kubelet.wait_for(lambda: kubelet.capacity() == (8, 6), 10)
         assert kubelet.wait_for(lambda: (state / "state.json").stat().st_ino != saved, 10)
-        rc, _, new_out = stop(new)
+        rc, new_out = stop(new)
         assert rc == 0, new_out
         assert "taking the state dir over when it exits" in new_out and "took the state dir" in new_out
         assert "serving them after the hand-over" in new_out and "continuing without" not in new_out
@@ -283,7 +290,7 @@ def test_a_successor_stopped_before_the_handover_leaves_the_state_dir_to_its_hol
         new = _latch_then_start_a_successor(short_socket_dir, kubelet, node, 3, old)
         # Taken once the successor serves, a second after the fault: the holder wrote the fault long before.
         before = (state / "state.json").stat()
-        rc, _, out = stop(new)
+        rc, out = stop(new)
         assert rc == 0 and "Traceback" not in out, out
         # Not a byte of the state dir is the successor's: the file, the lock and the holder's health API.
         after = (state / "state.json").stat()
@@ -292,5 +299,5 @@ def test_a_successor_stopped_before_the_handover_leaves_the_state_dir_to_its_hol
         assert sorted(list_devices(state / "health.sock")) == sorted(node.uuids)
         assert old.poll() is None
     finally:
-        rc, _, out = stop(old)
+        rc, out = stop(old)
         assert rc == 0, out

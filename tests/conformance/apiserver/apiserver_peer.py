@@ -29,7 +29,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,6 +112,8 @@ class ApiServerPeer:
             "rules": [
                 {"level": "Metadata", "verbs": ["create", "update", "patch", "delete"],
                  "resources": [{"group": "", "resources": ["nodes", "nodes/status"]}]},
+                {"level": "Metadata", "verbs": ["update"],
+                 "resources": [{"group": "coordination.k8s.io", "resources": ["leases"]}]},
                 {"level": "None"},
             ],
         }))
@@ -241,27 +243,38 @@ class ApiServerPeer:
         if not os.environ.get("GPU_HEALTH_KEEP_APISERVER"):
             shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def node_writes(self, name: str) -> list[dict[str, Any]]:
-        """Every completed write to Node ``name`` (and its status) from the audit log, oldest first: verb,
-        subresource, user, HTTP code and time."""
-        out = []
+    def _completed(self) -> Iterator[dict[str, Any]]:
+        """The audit log's ResponseComplete entries, oldest first (a line being written right now is left out)."""
         try:
             text = (self.workdir / "audit.log").read_text()
         except FileNotFoundError:
-            return []
+            return
         for line in text.splitlines():
             try:
                 e = json.loads(line)
             except ValueError:
-                continue  # a line being written right now
-            ref = e.get("objectRef") or {}
-            if e.get("stage") != "ResponseComplete" or ref.get("resource") != "nodes" or ref.get("name") != name:
                 continue
-            out.append({"verb": e.get("verb"), "subresource": ref.get("subresource", ""),
-                        "user": (e.get("user") or {}).get("username", ""),
-                        "code": (e.get("responseStatus") or {}).get("code"),
-                        "time": e.get("stageTimestamp", "")})
-        return out
+            if e.get("stage") == "ResponseComplete":
+                yield e
+
+    def node_writes(self, name: str) -> list[dict[str, Any]]:
+        """Every completed write to Node ``name`` (and its status) from the audit log, oldest first: verb,
+        subresource, user, HTTP code and time."""
+        return [{"verb": e.get("verb"), "subresource": ref.get("subresource", ""),
+                 "user": (e.get("user") or {}).get("username", ""),
+                 "code": (e.get("responseStatus") or {}).get("code"), "time": e.get("stageTimestamp", "")}
+                for e in self._completed()
+                if (ref := e.get("objectRef") or {}).get("resource") == "nodes" and ref.get("name") == name]
+
+    def audited(self, resource: str, user: str) -> list[dict[str, Any]]:
+        """Every completed write by ``user`` to ``resource`` (nodes, leases) from the audit log, oldest first: verb,
+        name, HTTP code, and when the server received it and answered (RFC 3339, microseconds)."""
+        return [{"verb": e.get("verb"), "name": ref.get("name", ""),
+                 "code": (e.get("responseStatus") or {}).get("code"),
+                 "received": e.get("requestReceivedTimestamp", ""), "answered": e.get("stageTimestamp", "")}
+                for e in self._completed()
+                if (ref := e.get("objectRef") or {}).get("resource") == resource
+                and (e.get("user") or {}).get("username") == user]
 
     def log_tail(self, name: str = "kube-apiserver", lines: int = 40) -> str:
         return _tail(self._logs[name], lines)

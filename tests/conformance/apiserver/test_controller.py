@@ -10,6 +10,7 @@ so the session's other Nodes are not part of its fleet.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import secrets
@@ -18,12 +19,16 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.conformance.apiserver.flaky_proxy import FlakyProxy
+from tests.conformance.apiserver.scrape import free_port as _free_port
+from tests.conformance.apiserver.scrape import sample as _sample
+from tests.conformance.apiserver.scrape import scrape as _scrape
 
 pytestmark = [pytest.mark.conformance, pytest.mark.slow]
 
@@ -120,6 +125,12 @@ class Fleet:
     def get(self, name: str) -> dict[str, Any]:
         return ok(self.api.request("GET", f"/api/v1/nodes/{name}"))
 
+    def poke(self, name: str) -> None:
+        """A change the controller decides on and writes nothing for: a label of the test's own."""
+        ok(self.api.request("PATCH", f"/api/v1/nodes/{name}",
+                            {"metadata": {"labels": {"fleet-test.gpu-health.io/poke": secrets.token_hex(3)}}},
+                            content_type="application/merge-patch+json"))
+
     def set_devices(self, name: str, bad: dict[int, tuple[str, str, str]] | None = None) -> None:
         """Write the devices' states the way the plugin does (a merge patch of its annotations)."""
         ok(self.api.request("PATCH", f"/api/v1/nodes/{name}",
@@ -168,8 +179,11 @@ class ControllerProc:
         self.workdir = workdir
         self.identity = identity
         cfg = {"version": "v1", "kubeconfig": str(kubeconfig), "namespace": NS, "identity": identity,
-               "nodeSelector": selector, "metricsAddress": "off", **config}
-        cfg.setdefault("leaderElection", {"leaseDuration": "4s", "renewDeadline": "3s", "retryPeriod": "0.5s"})
+               "nodeSelector": selector, "metricsAddress": f"127.0.0.1:{_free_port()}", **config}
+        self.metrics = str(cfg["metricsAddress"])
+        # Short terms, so that a hand-over is quick; the write timeout below the fencing bound (6 s - 3 s).
+        cfg.setdefault("leaderElection", {"leaseDuration": "6s", "renewDeadline": "3s", "retryPeriod": "0.5s",
+                                          "writeTimeout": "2.5s"})
         path = workdir / f"{identity}.yaml"
         path.write_text(json.dumps(cfg))  # JSON is YAML
         self.log = workdir / f"{identity}.log"
@@ -192,6 +206,24 @@ class ControllerProc:
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
+
+    def activity(self) -> tuple[float, float]:
+        """(watch events received, nodes decided as the leader), from its /metrics."""
+        code, text = _scrape(int(self.metrics.rsplit(":", 1)[1]), "/metrics")
+        assert code == 200, text
+        return (_sample(text, "gpu_health_controller_node_watch_events_total") or 0.0,
+                _sample(text, "gpu_health_controller_decisions_total") or 0.0)
+
+
+def at_work(c: ControllerProc, fleet: Fleet, poke: str, seconds: float) -> None:
+    """A window in which something must not happen, shown to be one in which ``c`` was at work: a change to
+    ``poke`` (a label of the test's, which it decides on and writes nothing for) is seen and decided in it. A
+    controller that had not acted yet, or had stopped, would pass the check that follows without this."""
+    seen, decided = c.activity()
+    fleet.poke(poke)
+    time.sleep(seconds)  # an absence cannot be awaited: the window has to pass
+    wait(lambda: (a := c.activity())[0] > seen and a[1] > decided, 30,
+         f"{c.identity} seeing and deciding the change to {poke}\n{c.output()[-2000:]}")
 
 
 @pytest.fixture
@@ -264,7 +296,7 @@ def test_each_rule_quarantines_with_its_reason_and_leaves_the_rest_alone(apiserv
         assert fleet.controller_writes(name) == []
     # Idle: nothing changes, nothing is written (the Lease renewals are not Node writes).
     before = {n: len(apiserver.node_writes(n)) for n in (healthy, unhealthy, reboot, stock_gap)}
-    time.sleep(5)  # watching for writes that must not happen: there is no event to wait for
+    at_work(c, fleet, stock_ok, 5)
     assert {n: len(apiserver.node_writes(n)) for n in before} == before
     assert c.proc.poll() is None
 
@@ -318,7 +350,7 @@ def test_a_repeat_offender_is_held_until_the_operator_asks(apiserver: Any, run_c
     fleet = Fleet(apiserver, "repeat")
     node = fleet.node("n")
     fleet.fail(node)
-    run_controller(fleet, {**FAST, "release": {"recoveryHold": "2s", "repeatLimit": 2, "repeatWindow": "1h"}})
+    c = run_controller(fleet, {**FAST, "release": {"recoveryHold": "2s", "repeatLimit": 2, "repeatWindow": "1h"}})
     wait(lambda: fleet.quarantine_of(node), 30, "first quarantine")
     assert fleet.quarantine_of(node)["reason"] == "unhealthy-devices"  # type: ignore[index]
     fleet.heal(node)
@@ -332,7 +364,7 @@ def test_a_repeat_offender_is_held_until_the_operator_asks(apiserver: Any, run_c
     assert [t["value"] for t in q["taints"]] == ["repeat-offender"]
     fleet.heal(node)
     wait(lambda: fleet.events(node, "GPUNodeRepeatOffender"), 30, "the hold said")
-    time.sleep(3)  # an absence cannot be awaited: past another hold (2 s), it must still be held
+    at_work(c, fleet, node, 3)  # past another hold (2 s), decided again: it must still be held
     assert fleet.quarantine_of(node) is not None
 
     ok(apiserver.request("PATCH", f"/api/v1/nodes/{node}",
@@ -355,7 +387,7 @@ def test_breaker_quarantines_up_to_the_limit_under_a_correlated_failure(apiserve
         fleet.fail(n)
     wait(lambda: breaker(apiserver).get("state") == "open", 30, f"breaker open\n{c.output()}")
     wait(lambda: len(fleet.quarantined(failing)) == 2, 30, "two quarantined")
-    time.sleep(3)  # nothing more may happen: the limit is 2 of 20
+    at_work(c, fleet, next(n for n in failing if not fleet.quarantine_of(n)), 3)  # nothing more: the limit is 2 of 20
     quarantined = fleet.quarantined(names)
     assert len(quarantined) == 2
     st = breaker(apiserver)
@@ -398,7 +430,7 @@ def test_leader_handover_when_the_leader_is_killed_acts_once(apiserver: Any, run
     wait(lambda: (lease(apiserver).get("spec") or {}).get("holderIdentity") == standby.identity, 30,
          f"the standby took over\n{standby.output()}")
     wait(lambda: fleet.quarantined([second]), 30, "second quarantined by the new leader")
-    time.sleep(2)  # the new leader looked at every node when it took over: it must not have written again
+    at_work(standby, fleet, healthy, 2)  # the new leader looked at every node when it took over: no write again
     for name in (first, second):
         assert len(fleet.controller_writes(name)) == 1, fleet.controller_writes(name)
         assert len(fleet.events(name, "GPUNodeQuarantined")) == 1
@@ -446,12 +478,76 @@ def test_api_outage_converges_and_acts_once(apiserver: Any, run_controller: Any,
 
         wait(lambda: fleet.quarantined([late]) and not fleet.quarantined([early]), 90,
              f"converged after the outage\n{c.output()[-3000:]}")
-        time.sleep(3)
+        at_work(c, fleet, late, 3)
         assert len(fleet.controller_writes(early)) == 2  # quarantine, release
         assert len(fleet.controller_writes(late)) == 1
         assert len(fleet.events(late, "GPUNodeQuarantined")) == 1
     finally:
         proxy.close()
+
+
+def _grace_period() -> int:
+    import yaml
+
+    doc = yaml.safe_load((REPO / "manifests" / "components" / "controller" / "deployment.yaml").read_text())
+    return int(doc["spec"]["template"]["spec"]["terminationGracePeriodSeconds"])
+
+
+def _at(stamp: str) -> dt.datetime:
+    return dt.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+
+
+def test_sigterm_mid_storm_starts_no_write_and_hands_the_lease_back_after_the_last(
+        apiserver: Any, run_controller: Any, controller_rbac: Path, tmp_path: Path) -> None:
+    """Issue 35, 5: 1,000 failing nodes, an API server that takes 0.3 s to answer, 4 writers; SIGTERM once some
+    quarantines have landed. The server receives no Node write the stop did not find in flight (one per writer at
+    most), the Lease's hand-back comes after the last Node write was answered, and the process exits 0 within the
+    Deployment's grace period. Before the fix the worker went on deciding for 10 s after the signal, then the pool
+    was shut under it, and the Lease was handed back with writes in flight."""
+    host, port = apiserver.url.split("://", 1)[1].rsplit(":", 1)
+    proxy = FlakyProxy((host, int(port)), answer_delay_s=0.3)
+    fleet = Fleet(apiserver, "storm")
+    names = [f"{fleet.group}-{i:04d}" for i in range(1000)]
+    failing = plugin_annotations({2: ("Unhealthy", "ecc-uncorrected", "reset-gpu")})
+    try:
+        import yaml
+
+        cfg = yaml.safe_load(controller_rbac.read_text())
+        cfg["clusters"][0]["cluster"]["server"] = f"https://127.0.0.1:{proxy.port}"
+        kubeconfig = tmp_path / "slow.kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump(cfg))
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda n: apiserver.create_node(n, labels={GROUP_LABEL: fleet.group},
+                                                          annotations=failing), names))
+        c = run_controller(fleet, {**FAST, "quarantine": {"writeConcurrency": 4}}, kubeconfig=kubeconfig)
+
+        def writes() -> list[dict[str, Any]]:
+            return [w for w in apiserver.audited("nodes", CONTROLLER_USER)
+                    if w["verb"] == "patch" and w["name"].startswith(fleet.group + "-")]
+
+        wait(lambda: len(writes()) >= 20, 120, f"a storm under way\n{c.output()[-3000:]}")
+        signalled = dt.datetime.now(dt.UTC)
+        c.proc.send_signal(signal.SIGTERM)
+        grace = _grace_period()
+        try:
+            code = c.proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running {grace}s after SIGTERM (the kubelet kills it then)\n{c.output()[-3000:]}")
+        assert code == 0, c.output()[-3000:]
+
+        done = writes()
+        late = [w for w in done if _at(w["received"]) > signalled]
+        assert len(late) <= 4, f"{len(late)} Node writes reached the server after SIGTERM: {late[:3]} ..."
+        assert 20 <= len(done) < len(names), "the stop did not come mid-storm"
+        assert all(w["code"] < 300 for w in done), [w for w in done if w["code"] >= 300]
+        renewals = [w for w in apiserver.audited("leases", CONTROLLER_USER) if w["name"] == LEASE]
+        assert (lease(apiserver).get("spec") or {}).get("holderIdentity") == "", c.output()[-3000:]
+        handed_back = renewals[-1]
+        assert _at(handed_back["received"]) >= max(_at(w["answered"]) for w in done), (handed_back, done[-4:])
+        assert "handed lease" in c.output() and "Traceback" not in c.output()
+    finally:
+        proxy.close()
+        apiserver.request("DELETE", f"/api/v1/nodes?labelSelector={GROUP_LABEL}%3D{fleet.group}")
 
 
 @pytest.mark.parametrize(("config", "named"), [
@@ -467,34 +563,6 @@ def test_bad_config_exits_2_naming_the_field(tmp_path: Path, config: dict[str, A
     assert proc.returncode == 2
     assert named in proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _scrape(port: int, path: str) -> tuple[int, str]:
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-    except OSError:
-        return 0, ""
-
-
-def _sample(text: str, series: str) -> float | None:
-    for line in text.splitlines():
-        if line.startswith(series + " "):
-            return float(line.split()[-1])
-    return None
 
 
 @pytest.fixture

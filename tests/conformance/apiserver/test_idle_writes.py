@@ -3,6 +3,8 @@ the real kube-apiserver; writes are counted from the server's audit log (and the
 from the plugin's own counters.
 
 The 60 s of quiet are the point of the test: it waits for the absence of writes, so it has to let the time pass.
+Each quiet window also proves the plugin was at work in it (its poll count, from its own /metrics, moved on): a
+plugin that had stopped polling would write nothing too.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ import pytest
 
 from plugin.devtools.standin import KubeletStandin
 from plugin.schema.annotations import parse_node
+from tests.conformance.apiserver.scrape import free_port as _free_port
+from tests.conformance.apiserver.scrape import sample as _sample
+from tests.conformance.apiserver.scrape import scrape as _scrape
 from tests.conftest import NodeFile
 
 pytestmark = [pytest.mark.conformance, pytest.mark.slow]
@@ -46,10 +51,11 @@ def test_idle_node_writes_nothing_for_a_minute_and_a_fault_is_one_write(apiserve
     node = NodeFile(short_socket_dir / "node.json")
     kubelet = KubeletStandin(short_socket_dir / "dp")
     kubelet.start()
+    port = _free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "plugin", "run", "--backend", "simulated", "--simulated-node", str(node.path),
          "--device-plugin-dir", str(short_socket_dir / "dp"), "--state-dir", str(short_socket_dir / "state"),
-         "--dev-root", str(dev_root), "--poll-interval", "0.3", "--metrics-address", "off",
+         "--dev-root", str(dev_root), "--poll-interval", "0.3", "--metrics-address", f"127.0.0.1:{port}",
          "--node-name", name, "--kubeconfig", str(kubeconfig), "--node-condition", "true",
          "--correlate-on", "none"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -62,6 +68,11 @@ def test_idle_node_writes_nothing_for_a_minute_and_a_fault_is_one_write(apiserve
     def device_states() -> dict[str, str]:
         return {e.id: e.state for e in parse_node(name, get_node()["metadata"].get("annotations") or {})}
 
+    def polls() -> float:
+        code, text = _scrape(port, "/metrics")
+        assert code == 200, text
+        return _sample(text, "gpu_health_poll_duration_seconds_count") or 0.0
+
     def condition() -> dict[str, Any] | None:
         conditions = get_node()["status"].get("conditions") or []
         return next((c for c in conditions if c["type"] == "GPUHealthy"), None)
@@ -72,7 +83,9 @@ def test_idle_node_writes_nothing_for_a_minute_and_a_fault_is_one_write(apiserve
              "the first reconcile")
         start_writes = len(apiserver.node_writes(name))
         start_rv = get_node()["metadata"]["resourceVersion"]
+        polls_before = polls()
         time.sleep(IDLE_S)
+        assert polls() - polls_before >= IDLE_S / 0.3 / 4, "the plugin was not polling through the quiet minute"
         idle = apiserver.node_writes(name)[start_writes:]
         assert idle == [], f"an idle node wrote its Node {len(idle)} times in {IDLE_S:g} s: {idle}"
         assert get_node()["metadata"]["resourceVersion"] == start_rv
@@ -83,7 +96,9 @@ def test_idle_node_writes_nothing_for_a_minute_and_a_fault_is_one_write(apiserve
         wait(lambda: (condition() or {}).get("status") == "False", 60, "the fault on the condition")
         settled_rv = get_node()["metadata"]["resourceVersion"]
         # The reporter's debounce and token bucket are each well under this: a second write would show.
+        polls_before = polls()
         time.sleep(15)
+        assert polls() - polls_before >= 10, "the plugin was not polling after the fault"
         after = apiserver.node_writes(name)[start_writes:]
         by_kind = {"annotations": [w for w in after if w["subresource"] == ""],
                    "condition": [w for w in after if w["subresource"] == "status"]}
