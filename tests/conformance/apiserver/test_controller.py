@@ -26,9 +26,7 @@ from typing import Any
 import pytest
 
 from tests.conformance.apiserver.flaky_proxy import FlakyProxy
-from tests.conformance.apiserver.scrape import free_port as _free_port
-from tests.conformance.apiserver.scrape import sample as _sample
-from tests.conformance.apiserver.scrape import scrape as _scrape
+from tests.conformance.apiserver.scrape import free_port, sample, scrape
 
 pytestmark = [pytest.mark.conformance, pytest.mark.slow]
 
@@ -179,7 +177,7 @@ class ControllerProc:
         self.workdir = workdir
         self.identity = identity
         cfg = {"version": "v1", "kubeconfig": str(kubeconfig), "namespace": NS, "identity": identity,
-               "nodeSelector": selector, "metricsAddress": f"127.0.0.1:{_free_port()}", **config}
+               "nodeSelector": selector, "metricsAddress": f"127.0.0.1:{free_port()}", **config}
         self.metrics = str(cfg["metricsAddress"])
         # Short terms, so that a hand-over is quick; the write timeout below the fencing bound (6 s - 3 s).
         cfg.setdefault("leaderElection", {"leaseDuration": "6s", "renewDeadline": "3s", "retryPeriod": "0.5s",
@@ -209,10 +207,10 @@ class ControllerProc:
 
     def activity(self) -> tuple[float, float]:
         """(watch events received, nodes decided as the leader), from its /metrics."""
-        code, text = _scrape(int(self.metrics.rsplit(":", 1)[1]), "/metrics")
+        code, text = scrape(int(self.metrics.rsplit(":", 1)[1]), "/metrics")
         assert code == 200, text
-        return (_sample(text, "gpu_health_controller_node_watch_events_total") or 0.0,
-                _sample(text, "gpu_health_controller_decisions_total") or 0.0)
+        return (sample(text, "gpu_health_controller_node_watch_events_total") or 0.0,
+                sample(text, "gpu_health_controller_decisions_total") or 0.0)
 
 
 def at_work(c: ControllerProc, fleet: Fleet, poke: str, seconds: float) -> None:
@@ -623,11 +621,11 @@ def test_drain_no_execute_and_metrics_on_a_quarantined_node(apiserver: Any, run_
     pod("guarded", {"app": "guarded"})
     pod("daemon", owner="node-agent")
     budget(0)
-    port = _free_port()
+    port = free_port()
     run_controller(fleet, {**FAST, "metricsAddress": f"127.0.0.1:{port}",
                            "quarantine": {"noExecuteAfter": "2s"},
                            "drain": {"enabled": True, "evictionsPerMinute": 600}})
-    wait(lambda: _scrape(port, "/readyz")[0] == 200, 30, "ready")
+    wait(lambda: scrape(port, "/readyz")[0] == 200, 30, "ready")
     fleet.fail(node)
     wait(lambda: going("plain"), 30, "the plain pod evicted")
     wait(lambda: fleet.quarantine_of(node) and len(fleet.quarantine_of(node)["taints"]) == 2, 30,  # type: ignore[index]
@@ -635,7 +633,7 @@ def test_drain_no_execute_and_metrics_on_a_quarantined_node(apiserver: Any, run_
     q = fleet.quarantine_of(node)
     assert q is not None and {t["effect"] for t in q["taints"]} == {"NoSchedule", "NoExecute"}
     assert q["owns"] == "noexecute,taint"
-    wait(lambda: (_sample(_scrape(port, "/metrics")[1], "gpu_health_controller_evictions_blocked_total") or 0) >= 1,
+    wait(lambda: (sample(scrape(port, "/metrics")[1], "gpu_health_controller_evictions_blocked_total") or 0) >= 1,
          30, "an eviction the budget refused")
     assert not going("guarded")  # the budget holds it
     budget(1)
@@ -643,13 +641,13 @@ def test_drain_no_execute_and_metrics_on_a_quarantined_node(apiserver: Any, run_
     wait(lambda: fleet.events(node, "GPUNodeDrained"), 60, "drained")
     assert not going("daemon")  # a DaemonSet's pod is never evicted
     assert f"controller.{PREFIX}/quarantine-drained" in fleet.get(node)["metadata"]["annotations"]
-    status, text = _scrape(port, "/metrics")
+    status, text = scrape(port, "/metrics")
     assert status == 200
-    assert _sample(text, 'gpu_health_controller_quarantined_nodes{reason="unhealthy-devices"}') == 1
-    assert _sample(text, "gpu_health_controller_leader") == 1
-    assert _sample(text, 'gpu_health_controller_actions_total{action="evict"}') == 2
-    assert _sample(text, "gpu_health_controller_gpu_nodes") == 1
-    assert _scrape(port, "/healthz")[0] == 200
+    assert sample(text, 'gpu_health_controller_quarantined_nodes{reason="unhealthy-devices"}') == 1
+    assert sample(text, "gpu_health_controller_leader") == 1
+    assert sample(text, 'gpu_health_controller_actions_total{action="evict"}') == 2
+    assert sample(text, "gpu_health_controller_gpu_nodes") == 1
+    assert scrape(port, "/healthz")[0] == 200
 
     fleet.heal(node)
     wait(lambda: fleet.quarantine_of(node) is None, 30, "released")

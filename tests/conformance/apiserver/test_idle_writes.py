@@ -23,9 +23,7 @@ import pytest
 
 from plugin.devtools.standin import KubeletStandin
 from plugin.schema.annotations import parse_node
-from tests.conformance.apiserver.scrape import free_port as _free_port
-from tests.conformance.apiserver.scrape import sample as _sample
-from tests.conformance.apiserver.scrape import scrape as _scrape
+from tests.conformance.apiserver.scrape import free_port, sample, scrape
 from tests.conftest import NodeFile
 
 pytestmark = [pytest.mark.conformance, pytest.mark.slow]
@@ -51,7 +49,7 @@ def test_idle_node_writes_nothing_for_a_minute_and_a_fault_is_one_write(apiserve
     node = NodeFile(short_socket_dir / "node.json")
     kubelet = KubeletStandin(short_socket_dir / "dp")
     kubelet.start()
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "plugin", "run", "--backend", "simulated", "--simulated-node", str(node.path),
          "--device-plugin-dir", str(short_socket_dir / "dp"), "--state-dir", str(short_socket_dir / "state"),
@@ -69,9 +67,9 @@ def test_idle_node_writes_nothing_for_a_minute_and_a_fault_is_one_write(apiserve
         return {e.id: e.state for e in parse_node(name, get_node()["metadata"].get("annotations") or {})}
 
     def polls() -> float:
-        code, text = _scrape(port, "/metrics")
+        code, text = scrape(port, "/metrics")
         assert code == 200, text
-        return _sample(text, "gpu_health_poll_duration_seconds_count") or 0.0
+        return sample(text, "gpu_health_poll_duration_seconds_count") or 0.0
 
     def condition() -> dict[str, Any] | None:
         conditions = get_node()["status"].get("conditions") or []
