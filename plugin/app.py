@@ -28,6 +28,7 @@ from plugin.startup import StartupError, check_paths, claim_state_dir, read_boot
 # The optional outlets are imported by their factories, only when the config turns them on: an outlet that is off
 # costs no memory (tests/integration/test_startup_imports.py).
 if TYPE_CHECKING:
+    from plugin.devices.kernellog import KernelLog
     from plugin.devices.nvml import NvmlBackend
     from plugin.dra.mode import DraMode
     from plugin.health.recovery import CommandRecoveryChecker
@@ -215,10 +216,12 @@ class App:
         self.correlator = make_correlator(cfg, self.state, self.resources)
         # NVSentinel's device API (docs/nvsentinel.md): our health out, other providers' conditions in; None when off.
         self.device_api = make_device_api(cfg, self.state, self.monitor)
+        # The kernel log as a second source of driver events; None without --kernel-log.
+        self.kernel_log = make_kernel_log(cfg, self.monitor)
         # /metrics, /healthz, /readyz; None with --metrics-address off.
         self.metrics_server = make_metrics_server(cfg, self.state, self.monitor, self.backend, self.supervisor,
                                                   self.dra, self.kube_reporter, self.correlator, self.nvsentinel,
-                                                  self.device_api)
+                                                  self.device_api, self.kernel_log)
         # False while a successor waits for the state dir (start(active=False)); shutdown stops only what started.
         self.active = False
 
@@ -233,6 +236,7 @@ class App:
             self.device_api.start_consumer()  # a successor serving the kubelet needs the same reasons
         if active:
             self._start_health_api()
+            self._start_kernel_log()
         if self.supervisor is not None:
             self.supervisor.start()
         if self.dra is not None:
@@ -247,11 +251,17 @@ class App:
         """The previous instance has gone and its state dir is ours: start what it was doing."""
         self.monitor.start_persisting()
         self._start_health_api()
+        self._start_kernel_log()
         self._start_reporting()
         # On the host's network the previous instance had our metrics port until it exited.
         if self.metrics_server is not None and self.metrics_server.error is not None:
             self.metrics_server.start()
         self.active = True
+
+    def _start_kernel_log(self) -> None:
+        # After the first poll (the GPUs its lines name are known) and only by the state dir's owner (the cursor).
+        if self.kernel_log is not None:
+            self.kernel_log.start()
 
     def _start_dra(self) -> None:
         assert self.dra is not None
@@ -297,6 +307,8 @@ class App:
                 self.nvsentinel.stop(timeout=0.5)  # a call in flight ends at its deadline (daemon thread)
         if self.device_api is not None:
             self.device_api.stop(timeout=0.5)
+        if self.kernel_log is not None:
+            self.kernel_log.close(timeout=0.5)
         if self.metrics_server is not None:
             self.metrics_server.stop()
         if self.active:
@@ -305,6 +317,13 @@ class App:
             self.recovery.join(0.5)  # the stop has killed a running check; no result is taken from it
         self.monitor.join(max(0.1, deadline - time.monotonic()))
         self.backend.close()
+
+
+def make_kernel_log(cfg: Config, monitor: Monitor) -> KernelLog | None:
+    if cfg.kernel_log is None:
+        return None
+    from plugin.devices.kernellog import KernelLog
+    return KernelLog(cfg.kernel_log, cfg.state_dir, monitor.boot_id, monitor.gpu_for_pci, monitor.handle_events)
 
 
 def make_device_api(cfg: Config, state: NodeState, monitor: Monitor) -> DeviceApi | None:
@@ -333,7 +352,8 @@ def _log_what_is_watched(backend: Backend) -> None:
 def make_metrics_server(cfg: Config, state: NodeState, monitor: Monitor, backend: Backend,
                         supervisor: Supervisor | None, dra: DraMode | None, reporter: KubeReporter | None,
                         correlator: Correlator | None, nvsentinel: HealthEventSender | None = None,
-                        device_api: DeviceApi | None = None) -> MetricsServer | None:
+                        device_api: DeviceApi | None = None,
+                        kernel_log: KernelLog | None = None) -> MetricsServer | None:
     """/metrics, /healthz and /readyz as the config asks (None with ``--metrics-address off``), with a collector for
     each part that exists: an outlet that is off has no series."""
     if cfg.metrics_address == "off":
@@ -346,7 +366,8 @@ def make_metrics_server(cfg: Config, state: NodeState, monitor: Monitor, backend
                       claims=dra.driver if dra is not None else None,
                       health_streams=dra.server if dra is not None else None,
                       nvsentinel=nvsentinel.status if nvsentinel is not None else None,
-                      device_api=device_api.stats if device_api is not None else None)
+                      device_api=device_api.stats if device_api is not None else None,
+                      kernel_log=kernel_log.stats if kernel_log is not None else None)
     probes = Probes(monitor, supervisor if supervisor is not None else dra, cfg.stall_threshold,
                     clock=monitor.clock)
     return MetricsServer(cfg.metrics_address, build_registry(sources), probes)

@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import logging
 import math
 import os
+import signal
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -17,7 +19,7 @@ from plugin import config as config_mod
 from plugin.options.flags import add_arguments
 from plugin.options.sources import config_path
 
-SUBCOMMANDS = ("run", "demo", "status", "watch", "clear", "inspect", "simulated-node")
+SUBCOMMANDS = ("run", "demo", "status", "watch", "clear", "inspect", "simulated-node", "kernel-log-relay")
 EXIT_CONFIG = 2
 
 
@@ -120,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
                               f"crashed it (env {state.env}; default {state.default}; read, never written)")
     inspect.add_argument("--output", "-o", choices=("table", "json"), default="table",
                          help="output format: %(choices)s (default %(default)s)")
+    relay = sub.add_parser("kernel-log-relay", help="copy the kernel log to a FIFO the plugin reads with --kernel-log "
+                                                    "(a privileged container of its own; docs/kernel-log.md)")
+    relay.add_argument("--from", dest="source", type=Path, default=Path("/dev/kmsg"), metavar="PATH",
+                       help="the kernel log (default %(default)s)")
+    relay.add_argument("--to", dest="fifo", type=Path, required=True, metavar="FIFO",
+                       help="the FIFO to write, made (mode 0600) if it does not exist")
     node = sub.add_parser("simulated-node", help="write the built-in simulated 8-GPU node (the demo's) as a node "
                                                  "file for --backend simulated --simulated-node")
     node.add_argument("--write", type=Path, required=True, metavar="FILE", help="where to write it")
@@ -155,9 +163,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 130
     if args.command == "simulated-node":
         return _write_simulated_node(args.write, args.force)
+    if args.command == "kernel-log-relay":
+        return _relay(args.source, args.fifo)
     if args.command == "inspect":
         return _inspect(args)
     return 1
+
+
+def _relay(source: Path, fifo: Path) -> int:
+    from plugin.devices.kmsgrelay import Relay
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    relay = Relay(source, fifo)
+    try:
+        relay.prepare()
+    except OSError as exc:
+        print(f"gpu-health-plugin kernel-log-relay: --to {fifo}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    signal.signal(signal.SIGTERM, lambda *_: relay.wake())
+    signal.signal(signal.SIGINT, lambda *_: relay.wake())
+    logging.getLogger(__name__).info("kernel-log-relay: copying %s to %s for each reader", source, fifo)
+    relay.run()
+    return 0
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -202,8 +229,8 @@ def format_inspect(driver: str, report: Sequence[Mapping[str, Any]]) -> str:
         lines.append(f"  NVLink {links}   ECC {ecc}   MIG {mig}   fabric {g['fabric_state'] or 'n/a'}   "
                      f"events 0x{g['events']:x}")
         width = max(len(k) for k in g["checks"])
-        for signal, how in g["checks"].items():
-            lines.append(f"  {signal:<{width}}  {how}")
+        for check, how in g["checks"].items():
+            lines.append(f"  {check:<{width}}  {how}")
     return "\n".join(lines)
 
 
@@ -286,7 +313,7 @@ def _ts(t: float) -> str:
 
 
 def _reasons(rs: Any) -> list[dict[str, str]]:
-    return [{"code": r.code, "message": r.message, "action": r.action} for r in rs]
+    return [{"code": r.code, "message": r.message, "action": r.action, "source": r.source} for r in rs]
 
 
 def _transition_json(t: Any) -> dict[str, Any]:

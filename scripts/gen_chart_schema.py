@@ -154,6 +154,8 @@ CHART_OWNED = frozenset({
     "mode", "draPluginDir", "draRegistryDir", "cdiSpecDir",
     # NVSentinel's sockets need their host directories mounted: the nvsentinel and deviceApi values.
     "nvsentinelSocket", "nvsentinelStoreOnly", "deviceApiSocket", "deviceApiProvide", "deviceApiConsume",
+    # The kernel log is read through the relay container's FIFO: the kernelLog value.
+    "kernelLog",
 })
 
 
@@ -333,6 +335,11 @@ def chart_schema() -> Schema:
                                "/var/run).", pattern="^/"),
             "socket": _string("The socket's file name in that directory.", pattern="^[^/]+$"),
             "storeOnly": _boolean("Mark the events STORE_ONLY: NVSentinel keeps them but never acts on them.")}),
+        "kernelLog": _fixed("Driver events from the kernel log too (docs/kernel-log.md), through a privileged "
+                            "relay container that only copies /dev/kmsg into a FIFO the plugin reads.", {
+            "enabled": _boolean("Read the kernel log (adds the kernel-log-relay container)."),
+            "hostPath": _string("The host's kernel log.", pattern="^/"),
+            "resources": _free("The relay container's resource requests and limits.")}),
         "deviceApi": _fixed("NVSentinel's node-local device API (docs/nvsentinel.md); the host directory of its "
                             "socket is mounted when either way is on.", {
             "provide": _boolean("Publish every GPU and its health to the device API."),

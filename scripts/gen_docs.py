@@ -213,7 +213,9 @@ def example_file() -> str:
 def render_reasons() -> str:
     lines = [HEADER.format(source="plugin/health/reasons.py (REASONS)"), "# Reason codes", "",
              "Each device carries its state with reasons: a stable code, a short message, where it was seen "
-             "(`event` or `poll`), when it was first seen and the recommended action. Codes are lower-case and "
+             "(`event` or `poll`; `kernel-log` for an event read from the kernel log with `--kernel-log`, which "
+             "latches and clears as the same event from NVML does ([kernel-log.md](kernel-log.md)); `check`, "
+             "`external`), when it was first seen and the recommended action. Codes are lower-case and "
              "hyphenated and do not change meaning between releases; `<n>` stands for an XID number. The "
              "severity is the default: the config file's `health.overrides` changes it "
              "([config.md](config.md)).", "",

@@ -117,6 +117,10 @@ class Config:
     boot_id_file: Path = field(default=Path("/proc/sys/kernel/random/boot_id"), metadata=spec(
         path, "the file holding the node's boot id; a latch set under another boot id is cleared at start if its GPU "
         "reads clean (docs/reasons.md)", "FILE"))
+    kernel_log: Path | None = field(default=None, metadata=spec(
+        optional_path, "read driver events from the kernel log too (normally /dev/kmsg; off when unset): XIDs, "
+        "\"fallen off the bus\" and RmInitAdapter failures logged while the plugin was down or starting are seen, "
+        "from a cursor kept in the state dir (docs/kernel-log.md)", "PATH"))
     handover: bool = field(default=False, metadata=spec(
         parse_bool, "when another instance holds the state dir (a surge rollout starts the new pod first), serve "
         "the kubelet next to it and take the state dir over once it exits, instead of refusing to start"))

@@ -83,6 +83,13 @@ class Reading:
     errors: tuple[tuple[str, str], ...] = ()
 
 
+class EventOrigin(StrEnum):
+    """Where a driver event was read: NVML's event set, or the kernel log (``--kernel-log``)."""
+
+    NVML = "nvml"
+    KERNEL_LOG = "kernel-log"
+
+
 class EventKind(StrEnum):
     XID = "xid"  # the event's code carries the XID
     ECC_DBE = "ecc-dbe"
@@ -92,7 +99,8 @@ class EventKind(StrEnum):
 
 @dataclass(frozen=True)
 class GpuEvent:
-    """A driver event; ``code`` carries the XID of an XID event and the action of a recovery-action one."""
+    """A driver event; ``code`` carries the XID of an XID event and the action of a recovery-action one.
+    ``repeats``: how many identical records the kernel log reader folded into this one (a flood is one event)."""
 
     uuid: str
     kind: EventKind
@@ -100,6 +108,8 @@ class GpuEvent:
     time: float
     gpu_instance_id: int | None = None  # None: the whole GPU
     compute_instance_id: int | None = None
+    origin: EventOrigin = EventOrigin.NVML
+    repeats: int = 1
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ from dataclasses import replace
 from typing import Any
 
 from plugin.devices.backend import Backend
-from plugin.devices.model import EventKind, Gpu, GpuEvent, Reading
+from plugin.devices.kmsg import PciAddress, pci_address
+from plugin.devices.model import EventKind, EventOrigin, Gpu, GpuEvent, Reading
 from plugin.health.config import HealthConfig
 from plugin.health.node_state import DeviceStatus, NodeState, Transition
 from plugin.health.policy import Disposition, condition
@@ -27,6 +28,45 @@ from plugin.health.tracker import ClearRefused, DeviceTracker
 __all__ = ["ClearRefused", "Monitor"]
 
 log = logging.getLogger(__name__)
+
+# Seconds apart that the same XID (one GPU, one code) from NVML and from the kernel log is taken as one event: the
+# driver writes the log line and signals the event set together; the reader's clock and the record's own differ
+# by a scheduling delay, never by more than this.
+SAME_EVENT_WINDOW_S = 5.0
+
+
+class SameEvent:
+    """Pairs each event from one origin with an unpaired one of the other origin within the window; what pairs is
+    not counted again. Events of one origin never pair with each other: an XID the driver reports twice is two.
+    Holds only the last ``window_s`` of unpaired events per (device, kind, code)."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._open: dict[tuple[str, EventKind, int, int | None], list[tuple[float, EventOrigin, int]]] = {}
+
+    def admit(self, e: GpuEvent) -> int:
+        """How many of ``e.repeats`` are new."""
+        key = (e.uuid, e.kind, e.code, e.gpu_instance_id)
+        entries = [x for x in self._open.get(key, ()) if abs(x[0] - e.time) <= self.window_s]
+        left = e.repeats
+        kept: list[tuple[float, EventOrigin, int]] = []
+        for when, origin, n in entries:
+            if origin != e.origin and left > 0:
+                took = min(n, left)
+                left -= took
+                n -= took
+            if n > 0:
+                kept.append((when, origin, n))
+        if left > 0:
+            kept.append((e.time, e.origin, left))
+        if kept:
+            self._open[key] = kept
+        else:
+            self._open.pop(key, None)
+        if len(self._open) > 4096:  # bounded whatever the events: the oldest keys go first
+            for k in list(self._open)[:1024]:
+                del self._open[k]
+        return left
 
 
 class Monitor:
@@ -56,6 +96,8 @@ class Monitor:
         # last changed. Not tracked, latched or saved: their source holds them and sends them again on reconnect.
         self._external: dict[str, tuple[Reason, ...]] = {}
         self._external_at: dict[str, float] = {}
+        # The same driver event read from NVML's event set and from the kernel log counts once.
+        self._same = SameEvent(SAME_EVENT_WINDOW_S)
         self._poll_now = threading.Event()
         self._threads: list[threading.Thread] = []
         # A read that does not return (a hung driver call) holds the poller: after ``stall_s`` the GPUs it keeps
@@ -175,14 +217,26 @@ class Monitor:
 
     # Work -----------------------------------------------------------------------------------------------------
 
+    def gpu_for_pci(self, pci: PciAddress) -> str | None:
+        """The UUID of the GPU NVML sees at a PCI address (how the kernel log names a GPU), if any."""
+        for gpu in list(self._gpus.values()):  # a copy in one step: the poll thread owns the dict
+            if pci_address(gpu.pci_bus_id) == pci:
+                return gpu.uuid
+        return None
+
     def handle_events(self, events: Sequence[GpuEvent]) -> list[Transition]:
         poll = False
         with self._lock:
             for e in events:
-                self.events_seen += 1
+                repeats = self._same.admit(e)
+                if repeats == 0:
+                    continue  # the other source already brought this one
+                if repeats != e.repeats:
+                    e = replace(e, repeats=repeats)
+                self.events_seen += repeats
                 if e.kind == EventKind.XID:
                     key = (e.uuid, e.code)
-                    self.xids_seen[key] = self.xids_seen.get(key, 0) + 1
+                    self.xids_seen[key] = self.xids_seen.get(key, 0) + repeats
                 if e.gpu_instance_id is not None:
                     tracker = self._mig_tracker_for(e.uuid, e.gpu_instance_id)
                 else:
@@ -190,7 +244,10 @@ class Monitor:
                 if tracker is None:
                     log.warning("event %s %s for unknown device %s ignored", e.kind, e.code, e.uuid)
                     continue
-                log.info("device %s: %s %s", e.uuid, e.kind, e.code)
+                if e.repeats > 1:
+                    log.info("device %s: %s %s (%s, %d times)", e.uuid, e.kind, e.code, e.origin, e.repeats)
+                else:
+                    log.info("device %s: %s %s (%s)", e.uuid, e.kind, e.code, e.origin)
                 if tracker.observe_event(e) == Disposition.POLL:
                     poll = True
             transitions = self._publish_locked(self.clock())

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from plugin.devices.model import EventKind, GpuEvent, Reading
+from plugin.devices.model import EventKind, EventOrigin, GpuEvent, Reading
 from plugin.health.config import HealthConfig
 from plugin.health.reasons import SPECS, Condition, Source, State, xid_spec
 
@@ -161,7 +161,9 @@ def xid_class(xid: int, cfg: HealthConfig) -> str:
 
 
 def classify_event(event: GpuEvent, cfg: HealthConfig) -> tuple[Disposition, Condition | None]:
-    """Return (disposition, condition); the condition is None for ``poll`` and ``ignore``."""
+    """Return (disposition, condition); the condition is None for ``poll`` and ``ignore``. An event read from the
+    kernel log is judged exactly as NVML's; only its reason's source says where it was seen."""
+    src = Source.KERNEL_LOG if event.origin == EventOrigin.KERNEL_LOG else Source.EVENT
     if event.kind == EventKind.XID:
         xid = event.code
         cls = xid_class(xid, cfg)
@@ -170,7 +172,7 @@ def classify_event(event: GpuEvent, cfg: HealthConfig) -> tuple[Disposition, Con
         if cls == "application":
             spec = xid_spec(xid, cls)
             counted = _apply_override(Condition(f"xid-{xid}-repeated", spec.severity,
-                                                f"XID {xid} repeated on this GPU", Source.EVENT, spec.action), cfg)
+                                                f"XID {xid} repeated on this GPU", src, spec.action), cfg)
             return (Disposition.COUNT, counted) if counted is not None else (Disposition.IGNORE, None)
         if xid == 154:
             return Disposition.POLL, None  # "recovery action changed": the recovery-action field says what to do
@@ -183,11 +185,11 @@ def classify_event(event: GpuEvent, cfg: HealthConfig) -> tuple[Disposition, Con
         else:
             # The unknown class's row documents unknownXidState's default; the configured state is what counts.
             severity, message = cfg.unknown_xid_state, f"XID {xid} (not in any configured class)"
-        return _latched(Condition(f"xid-{xid}", severity, message, Source.EVENT, spec.action), cfg)
+        return _latched(Condition(f"xid-{xid}", severity, message, src, spec.action), cfg)
     if event.kind == EventKind.ECC_DBE:
-        return _latched(condition("ecc-uncorrected", "double-bit ECC error event", Source.EVENT), cfg)
+        return _latched(condition("ecc-uncorrected", "double-bit ECC error event", src), cfg)
     if event.kind == EventKind.GPU_UNAVAILABLE:
-        return _latched(condition("gpu-unavailable", "driver reports the GPU unavailable", Source.EVENT), cfg)
+        return _latched(condition("gpu-unavailable", "driver reports the GPU unavailable", src), cfg)
     if event.kind == EventKind.RECOVERY_ACTION:
         return Disposition.POLL, None
     return Disposition.IGNORE, None

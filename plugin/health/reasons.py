@@ -60,6 +60,7 @@ class Source(StrEnum):
     POLL = "poll"
     POLL_OR_EVENT = "poll/event"
     CHECK = "check"  # the recovery check (--recovery-check)
+    KERNEL_LOG = "kernel-log"  # an event read from the kernel log (--kernel-log), not from NVML's event set
     EXTERNAL = "external"
 
 
@@ -324,8 +325,9 @@ XID_SPECS: dict[str, ReasonSpec] = {s.xid_class: s for s in REASONS if "<n>" in 
 
 def clears_for(r: Reason) -> frozenset[Clear]:
     """What may take reason ``r`` off its device. A latched reason is judged by how it was seen and by its action,
-    not by its code's row: an XID moved to another class carries that class's action, and so its remedy."""
-    if r.source in (Source.EVENT, Source.POLL_OR_EVENT):
+    not by its code's row: an XID moved to another class carries that class's action, and so its remedy. An event
+    read from the kernel log latches exactly as NVML's does."""
+    if r.source in (Source.EVENT, Source.POLL_OR_EVENT, Source.KERNEL_LOG):
         return latch_clears(r.source, r.action)
     spec = SPECS.get(r.code)
     return spec.clears if spec is not None else frozenset()

@@ -180,7 +180,8 @@ class DeviceTracker:
             self._latch(c, now)
         elif disposition == Disposition.COUNT and c is not None:
             times = self._app_xids.setdefault(event.code, deque())
-            times.append(now)
+            # A folded flood counts as many records as it had, but never more than the threshold needs.
+            times.extend([now] * min(max(1, event.repeats), self.cfg.app_xid_repeat_threshold))
             while times and times[0] < now - self.cfg.app_xid_window_s:
                 times.popleft()
             if len(times) >= self.cfg.app_xid_repeat_threshold:

@@ -121,6 +121,7 @@ PAIRS = (
     Pair("cdi", ("overlays/cdi",), sets=("cdi.enabled=true",)),
     Pair("nvsentinel", ("overlays/nvsentinel",), sets=("nvsentinel.enabled=true",)),
     Pair("device-api", ("overlays/device-api",), sets=("deviceApi.provide=true,deviceApi.consume=true",)),
+    Pair("kernel-log", ("overlays/kernel-log",), sets=("kernelLog.enabled=true",)),
     Pair("remediation", ("overlays/remediation",), sets=("remediation.enabled=true",)),
     Pair("surge-upgrade", ("overlays/surge-upgrade",),
          sets=("updateStrategy.rollingUpdate.maxSurge=10%,updateStrategy.rollingUpdate.maxUnavailable=0",)),
@@ -139,7 +140,8 @@ PAIRS = (
 # The pairs in mode: dra, which renders only for Kubernetes >= 1.34.
 DRA_PAIRS = {"dra", "local-cluster-dra"}
 ALL_ON = ("controller.enabled=true,controller.drain=true,serviceMonitor.enabled=true,prometheusRule.enabled=true,"
-          "remediation.enabled=true,nodeCondition.enabled=true,cdi.enabled=true,metricsNetworkPolicy.enabled=true",)
+          "remediation.enabled=true,nodeCondition.enabled=true,cdi.enabled=true,metricsNetworkPolicy.enabled=true,"
+          "kernelLog.enabled=true",)
 # Everything mode: dra takes (remediation, cdi and a surge rollout are device-plugin mode's).
 DRA_ALL_ON = ("mode=dra,controller.enabled=true,controller.drain=true,serviceMonitor.enabled=true,"
               "prometheusRule.enabled=true,nodeCondition.enabled=true,metricsNetworkPolicy.enabled=true,"
@@ -532,11 +534,13 @@ def test_dra_mode_needs_api_access_and_kubernetes_1_34(helm: Path) -> None:
 
 @pytest.mark.parametrize("mode", ["device-plugin", "dra"])
 @pytest.mark.parametrize("arg", ["--mode=dra", "--mode", "--dra-plugin-dir=/x", "--cdi-spec-dir=/x",
-                                 "--nvsentinel-socket=/x/s.sock", "--device-api-socket=/x/d.sock"])
+                                 "--nvsentinel-socket=/x/s.sock", "--device-api-socket=/x/d.sock",
+                                 "--kernel-log=/dev/kmsg"])
 def test_extra_args_cannot_move_what_the_chart_mounts_and_grants(helm: Path, mode: str, arg: str) -> None:
     flag = arg.split("=")[0]
     assert _refusal(helm, (f"mode={mode}", f"extraArgs[0]={arg}")) == (
-        f"extraArgs: {flag} is set by the chart (mode, hostPaths, nvsentinel, deviceApi), not by extraArgs")
+        f"extraArgs: {flag} is set by the chart (mode, hostPaths, nvsentinel, deviceApi, kernelLog), not by "
+        "extraArgs")
 
 
 @pytest.mark.parametrize("pair", sorted(DRA_PAIRS))

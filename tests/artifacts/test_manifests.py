@@ -406,6 +406,40 @@ def test_node_condition_adds_only_the_status_grant(rendered: dict[str, list[dict
     assert cfg.node_condition_reasons == "ours"
 
 
+KERNEL_LOG_FIFO = "/run/gpu-health-kernel-log/kmsg"
+
+
+def test_kernel_log_adds_a_privileged_relay_and_leaves_the_plugin_unprivileged(kubectl: Path, tmp_path: Path) -> None:
+    base = render(kubectl, MANIFESTS / "base")
+    over = render(kubectl, MANIFESTS / "overlays" / "kernel-log")
+    ds = copy.deepcopy(find(over, "DaemonSet"))
+    spec = ds["spec"]["template"]["spec"]
+    plugin, relay = spec["containers"]
+    # The relay: the same image, only the kernel log and the shared directory, and the one thing it is for.
+    assert relay["name"] == "kernel-log-relay" and relay["image"] == plugin["image"]
+    parsed = cli.build_parser().parse_args(relay["args"])
+    assert (parsed.command, str(parsed.source), str(parsed.fifo)) == ("kernel-log-relay", "/dev/kmsg", KERNEL_LOG_FIFO)
+    assert relay["securityContext"]["privileged"] is True and relay["securityContext"]["readOnlyRootFilesystem"]
+    assert {m["name"]: m["mountPath"] for m in relay["volumeMounts"]} == {
+        "kmsg": "/dev/kmsg", "kernel-log": str(Path(KERNEL_LOG_FIFO).parent)}
+    assert "env" not in relay and "ports" not in relay  # no NVIDIA devices asked for, nothing served
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["kmsg"]["hostPath"] == {"path": "/dev/kmsg", "type": "CharDevice"}
+    assert "emptyDir" in volumes["kernel-log"]
+    # The plugin: what it had, plus the flag and the FIFO's directory read-only. Nothing of its security changes.
+    expected = copy.deepcopy(find(base, "DaemonSet"))
+    c = container(expected)
+    c["args"].append(f"--kernel-log={KERNEL_LOG_FIFO}")
+    c["volumeMounts"].append({"name": "kernel-log", "mountPath": str(Path(KERNEL_LOG_FIFO).parent), "readOnly": True})
+    expected["spec"]["template"]["spec"]["volumes"] += [volumes["kmsg"], volumes["kernel-log"]]
+    spec["containers"] = [plugin]
+    assert ds == expected
+    assert {k: v for k, v in _without(over, set()).items() if k[0] != "DaemonSet"} == \
+        {k: v for k, v in _without(base, set()).items() if k[0] != "DaemonSet"}
+    cfg, _ = _plugin_config([*[o for o in over if o["kind"] != "DaemonSet"], ds], tmp_path)
+    assert cfg.kernel_log == Path(KERNEL_LOG_FIFO)
+
+
 def test_cdi_only_turns_on_cdi(rendered: dict[str, list[dict[str, Any]]]) -> None:
     over = rendered["cdi"]
     expected = copy.deepcopy(_without(rendered["base"], set()))

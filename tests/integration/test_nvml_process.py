@@ -61,12 +61,19 @@ class Plugin:
 
     def polls(self) -> int:
         """The plugin's own count of completed polls (its /metrics summary)."""
+        n = self.sample("gpu_health_poll_duration_seconds_count")
+        if n is None:
+            raise AssertionError("no gpu_health_poll_duration_seconds_count in /metrics")
+        return int(n)
+
+    def sample(self, series: str) -> float | None:
+        """One sample of the plugin's /metrics, named as exposed with its labels (``name{a="b"}``)."""
         with urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=5) as resp:
             text = resp.read().decode()
         for line in text.splitlines():
-            if line.startswith("gpu_health_poll_duration_seconds_count"):
-                return int(float(line.split()[-1]))
-        raise AssertionError("no gpu_health_poll_duration_seconds_count in /metrics")
+            if line.rsplit(" ", 1)[0] == series:
+                return float(line.split()[-1])
+        return None
 
     def cli(self, *args: str) -> Any:
         """A ``gpu-health-plugin`` subcommand with ``-o json``, under the plugin's environment (so ``inspect``'s own
@@ -89,7 +96,7 @@ def lib_dir() -> Path:
     return standin.library_dir_or_skip()
 
 
-def start(root: Path, node: StandinNode, kubelet: KubeletStandin, lib_dir: Path) -> Plugin:
+def start(root: Path, node: StandinNode, kubelet: KubeletStandin, lib_dir: Path, *extra: str) -> Plugin:
     env = standin.env_for_subprocess(node.path, lib_dir)
     metrics, log_path = free_port(), root / "plugin.log"
     snapshots: list[dict[str, str]] = []
@@ -104,7 +111,8 @@ def start(root: Path, node: StandinNode, kubelet: KubeletStandin, lib_dir: Path)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "plugin", "run", "--backend", "nvml", "--device-plugin-dir", str(root / "dp"),
-             "--state-dir", str(root / "state"), "--poll-interval", str(POLL_S), "--metrics-address", metrics],
+             "--state-dir", str(root / "state"), "--poll-interval", str(POLL_S), "--metrics-address", metrics,
+             *extra],
             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     return Plugin(proc, log_path, root / "state", metrics, env, snapshots)
 
@@ -211,3 +219,46 @@ def test_a_link_fault_and_an_xid_reach_the_kubelet(short_socket_dir: Path, kubel
         out = stop(plugin)
     assert "nvlink" in out.lower() and "79" in out  # the transitions were logged
 
+
+
+def test_the_kernel_log_brings_what_nvml_missed_and_counts_what_both_saw_once(
+        short_socket_dir: Path, kubelet: KubeletStandin, lib_dir: Path) -> None:
+    node = StandinNode.of_profile(short_socket_dir / "node.json", "h100-sxm")
+    uuids = node.uuids
+    kmsg = short_socket_dir / "kmsg"
+
+    def line(seq: int, text: str) -> str:
+        # The record's time on the clock the kernel stamps with (the plugin reads the same one).
+        return f"4,{seq},{int(time.clock_gettime(time.CLOCK_MONOTONIC) * 1e6)},-;{text}\n"
+
+    def xid(seq: int, gpu: int, code: int) -> str:
+        bus = node.gpu(gpu)["pci_bus_id"].split(":", 1)[1].rsplit(".", 1)[0].lower()
+        return line(seq, f"NVRM: Xid (PCI:0000:{bus}): {code}, pid=77, name=train, Graphics Exception")
+
+    # Logged before the plugin was up: NVML's event set can never report it.
+    kmsg.write_text(line(0, "Linux version 6.8.0") + xid(1, 2, 48))
+    plugin = start(short_socket_dir, node, kubelet, lib_dir, "--kernel-log", str(kmsg))
+    try:
+        assert kubelet.wait_for(lambda: kubelet.health(uuids[2]) == "Unhealthy" or plugin.proc.poll() is not None,
+                                30), plugin.output()
+        assert health(kubelet) == {u: "Unhealthy" if i == 2 else "Healthy" for i, u in enumerate(uuids)}
+
+        # XID 13 on GPU 5, which the driver both logs and signals: one XID, not two. Then one more through NVML
+        # alone on GPU 6, after it in the stand-in's queue, so when that one is counted GPU 5's NVML event is too.
+        node.append_xid(5, 13)
+        with kmsg.open("a") as f:
+            f.write(xid(2, 5, 13))
+        node.append_xid(6, 13)
+        def series(uuid: str, code: int) -> str:
+            return f'gpu_health_xid_events_total{{device="{uuid}",xid="{code}"}}'
+
+        assert kubelet.wait_for(lambda: plugin.sample(series(uuids[6], 13)) == 1.0
+                                and plugin.sample('gpu_health_kernel_log_driver_lines_total{kind="xid"}') == 2.0,
+                                30), plugin.output()
+        assert plugin.sample(series(uuids[5], 13)) == 1.0
+        assert plugin.sample(series(uuids[2], 48)) == 1.0
+        assert plugin.sample("gpu_health_kernel_log_readable") == 1.0
+        reasons = {d["id"]: [(r["code"], r["source"]) for r in d["reasons"]] for d in plugin.cli("status")["devices"]}
+        assert reasons[uuids[2]] == [("xid-48", "kernel-log")], reasons
+    finally:
+        stop(plugin)

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from plugin.devices.model import GpuEvent, Reading
+from plugin.devices.model import EventOrigin, GpuEvent, Reading
 from plugin.health.config import HealthConfig
 from plugin.health.policy import xid_class
-from plugin.health.reasons import REASONS, Clear, ReasonSpec, State, xid_spec
+from plugin.health.reasons import REASONS, Clear, ReasonSpec, Source, State, clears_for, xid_spec
 from plugin.health.tracker import ClearRefused, DeviceTracker
 
 OK: dict[str, Any] = dict(temperature_c=40, temperature_slowdown_c=87, temperature_shutdown_c=92,
@@ -96,8 +96,9 @@ class Gpu:
     """One tracker on a fake clock, fed the way the monitor feeds it."""
 
     def __init__(self, row: Row, *, hold: float | None = None, boot: str = BOOT,
-                 tracker: DeviceTracker | None = None) -> None:
+                 tracker: DeviceTracker | None = None, origin: EventOrigin = EventOrigin.NVML) -> None:
         self.row = row
+        self.origin = origin
         self.cfg = HealthConfig(**{"clear_after_polls": 2, "rate_hold_s": 30.0,
                                    "latch_hold_s": {State.DEGRADED: hold, State.UNHEALTHY: hold}, **row.cfg})
         self.t = tracker or DeviceTracker("GPU-0", self.cfg, boot_id=boot)
@@ -120,7 +121,7 @@ class Gpu:
         self.poll(False)
         for kind, code in self.row.events:
             self.now += 1
-            self.t.observe_event(GpuEvent("GPU-0", kind, code, self.now))
+            self.t.observe_event(GpuEvent("GPU-0", kind, code, self.now, origin=self.origin))
         if not self.row.events:
             self.poll(True)
         assert self.has(), f"{self.row.code}: not raised"
@@ -148,6 +149,26 @@ def test_every_row_is_driven_here() -> None:
     driven = {(s.code, s.xid_class) for s in map(spec_of, ROWS)}
     left = {(s.code, s.xid_class) for s in REASONS} - driven
     assert {c for c, _ in left} == MONITOR_ROWS | SPECIAL_ROWS
+
+
+EVENT_ROWS = [p for p in ALL_ROWS if p.values[0].events]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("row", EVENT_ROWS)
+def test_a_reason_read_from_the_kernel_log_clears_as_the_same_from_nvml(row: Row) -> None:
+    """The kernel log is one source more of the same events: its reasons latch and clear by the same rows."""
+    nvml, klog = raised(row), raised(row, origin=EventOrigin.KERNEL_LOG)
+    [a] = [r for r in nvml.t.update(nvml.now).reasons if r.code == code_of(row)]
+    [b] = [r for r in klog.t.update(klog.now).reasons if r.code == code_of(row)]
+    assert (a.source, b.source) == (Source.EVENT, Source.KERNEL_LOG)
+    assert clears_for(b) == clears_for(a) == spec_of(row).clears
+    for g in (nvml, klog):  # and a reboot, the one way every event row but the support-only ones clears, does
+        saved = g.t.to_dict()
+        after = Gpu(row, boot="boot-2", tracker=DeviceTracker("GPU-0", g.cfg, boot_id="boot-2"))
+        after.t.load(saved)
+        after.now = g.now + 600
+        after.poll(False)
+        assert (not after.has()) is (Clear.REBOOT in spec_of(row).clears)
 
 
 @pytest.mark.parametrize("row", ALL_ROWS)

@@ -127,9 +127,9 @@ would be silently ignored by the plugin or refused by it at start on every node.
 {{- define "gpu-health.checkMode" -}}
 {{- $v := .Values -}}
 {{- range $arg := $v.extraArgs }}
-{{- range list "--mode" "--dra-plugin-dir" "--dra-registry-dir" "--cdi-spec-dir" "--nvsentinel-socket" "--device-api-socket" }}
+{{- range list "--mode" "--dra-plugin-dir" "--dra-registry-dir" "--cdi-spec-dir" "--nvsentinel-socket" "--device-api-socket" "--kernel-log" }}
 {{- if or (eq $arg .) (hasPrefix (printf "%s=" .) $arg) }}
-{{- fail (printf "extraArgs: %s is set by the chart (mode, hostPaths, nvsentinel, deviceApi), not by extraArgs" .) }}
+{{- fail (printf "extraArgs: %s is set by the chart (mode, hostPaths, nvsentinel, deviceApi, kernelLog), not by extraArgs" .) }}
 {{- end }}
 {{- end }}
 {{- end }}

@@ -19,6 +19,7 @@ from plugin.outlets.metrics.sources import (
     CorrelationCounters,
     DeviceApiCounters,
     HealthStreamCount,
+    KernelLogCounters,
     MonitorStats,
     NodeHistory,
     NvmlCallCounter,
@@ -383,6 +384,38 @@ class DeviceApiCollector:
         yield rejected
 
 
+class KernelLogCollector:
+    """The kernel log as a source of driver events (only with --kernel-log)."""
+
+    def __init__(self, stats: KernelLogCounters) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterable[Family]:
+        s = self._stats
+        yield GaugeFamily("gpu_health_kernel_log_readable",
+                          "1 while the kernel log (--kernel-log) is open and being read",
+                          value=1.0 if s.readable else 0.0)
+        yield CounterFamily("gpu_health_kernel_log_records", "kernel log records read (after the saved cursor)",
+                            value=s.records)
+        lines = CounterFamily("gpu_health_kernel_log_driver_lines",
+                              "NVIDIA driver lines read from the kernel log, by kind (xid, fell-off-bus, init-failed, "
+                              "sxid)", labels=["kind"])
+        for kind, n in sorted(dict(s.driver_lines).items()):
+            lines.add_metric([label_code(kind)], n)
+        yield lines
+        unmatched = CounterFamily("gpu_health_kernel_log_unmatched_lines",
+                                  "driver lines naming a PCI address no GPU NVML sees has (every sxid line: an "
+                                  "NVSwitch is no GPU), by kind", labels=["kind"])
+        for kind, n in sorted(dict(s.unmatched).items()):
+            unmatched.add_metric([label_code(kind)], n)
+        yield unmatched
+        yield CounterFamily("gpu_health_kernel_log_malformed_records",
+                            "kernel log lines skipped as not a record (or a record cut short)", value=s.malformed)
+        yield CounterFamily("gpu_health_kernel_log_gaps",
+                            "times records were gone from the ring before they were read (driver events may have been "
+                            "missed)", value=s.lost)
+
+
 @dataclass(frozen=True)
 class Sources:
     """Where the numbers come from. Everything but the node state is optional, so each outlet can be off; a
@@ -403,6 +436,7 @@ class Sources:
     health_streams: HealthStreamCount | None = None  # the DRA server
     nvsentinel: Callable[[], NvsentinelCounters] | None = None  # the NVSentinel sender's status
     device_api: DeviceApiCounters | None = None  # NVSentinel's device API, when either role is on
+    kernel_log: KernelLogCounters | None = None  # the kernel log reader's counters, with --kernel-log
 
 
 def collectors(sources: Sources) -> list[Collector]:
@@ -429,6 +463,8 @@ def collectors(sources: Sources) -> list[Collector]:
         out.append(NvsentinelCollector(sources.nvsentinel))
     if sources.device_api is not None:
         out.append(DeviceApiCollector(sources.device_api))
+    if sources.kernel_log is not None:
+        out.append(KernelLogCollector(sources.kernel_log))
     return out
 
 

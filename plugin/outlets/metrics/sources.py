@@ -51,6 +51,28 @@ class MonitorStats(LoopTimes, Protocol):
     def xids_seen(self) -> Mapping[tuple[str, int], int]: ...
 
 
+class KernelLogCounters(Protocol):
+    """The kernel log reader's counters (``--kernel-log``), each dict keyed by a closed set of line kinds."""
+
+    @property
+    def readable(self) -> bool: ...
+
+    @property
+    def records(self) -> int: ...
+
+    @property
+    def driver_lines(self) -> Mapping[str, int]: ...
+
+    @property
+    def unmatched(self) -> Mapping[str, int]: ...
+
+    @property
+    def malformed(self) -> int: ...
+
+    @property
+    def lost(self) -> int: ...
+
+
 class HealthLoops(LoopTimes, Protocol):
     """What liveness compares with the clock: the loops' last rounds and the poll cadence."""
 
