@@ -12,8 +12,9 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from plugin.config import Config
+from plugin.config import Config, option
 from plugin.devices.backend import Backend, BackendError
+from plugin.devices.kmsg import PciAddress
 from plugin.devices.model import Discovery, Gpu, GpuEvent, Reading
 from plugin.health.monitor import Monitor
 from plugin.health.node_state import NodeState
@@ -82,7 +83,19 @@ def make_backend(cfg: Config) -> Backend:
         return UnavailableBackend(str(exc))
 
 
-def make_reporter(cfg: Config, state: NodeState) -> KubeReporter | None:
+GPU_COUNT_LABEL = "nvidia.com/gpu.count"  # GPU Feature Discovery's
+
+
+def expected_from_labels(monitor: Monitor) -> Callable[[dict[str, str]], None]:
+    """The node's GPU count label, when GPU Feature Discovery sets it, as the monitor's expected count."""
+    def apply(labels: dict[str, str]) -> None:
+        value = labels.get(GPU_COUNT_LABEL, "")
+        monitor.set_expected_gpus(int(value) if value.isdigit() and 0 < int(value) <= 1024 else None)
+    return apply
+
+
+def make_reporter(cfg: Config, state: NodeState,
+                  on_labels: Callable[[dict[str, str]], None] | None = None) -> KubeReporter | None:
     """The reporter the config asks for, or None: reporting needs a node name and at least one outlet on."""
     wanted = cfg.annotations or cfg.events or cfg.node_condition
     if not cfg.node_name:
@@ -100,7 +113,7 @@ def make_reporter(cfg: Config, state: NodeState) -> KubeReporter | None:
         min_interval_s=cfg.report_min_interval, resync_s=cfg.report_resync_interval,
         max_bytes=cfg.annotation_max_bytes, backoff_max_s=cfg.report_backoff_max)
     kubeconfig = cfg.kubeconfig
-    return KubeReporter(state, settings, lambda: KubeClient(kubeconfig))
+    return KubeReporter(state, settings, lambda: KubeClient(kubeconfig), on_labels=on_labels)
 
 
 def make_correlator(cfg: Config, state: NodeState, resources: Sequence[Resource]) -> Correlator | None:
@@ -192,7 +205,9 @@ class App:
                                               lambda: self.monitor.request_poll())
         self.monitor = Monitor(self.backend, self.state, cfg.health, cfg.poll_interval, self.stop, self.store,
                                stall_s=cfg.stall_threshold, recovery=self.recovery,
-                               boot_id=read_boot_id(cfg.boot_id_file, cfg.name_of("boot_id_file")))
+                               boot_id=read_boot_id(cfg.boot_id_file, cfg.name_of("boot_id_file")),
+                               inventory=make_inventory(cfg, self.backend),
+                               expected_gpus=cfg.expected_gpus or None)
         alloc = AllocationConfig(dev_root=cfg.dev_root, cdi=cfg.cdi,
                                  allow_unhealthy=cfg.allow_unhealthy_allocation)
         # The kubelet side: the device-plugin supervisor, or in DRA mode the DRA driver with its ResourceSlice.
@@ -205,7 +220,8 @@ class App:
             self.supervisor = Supervisor(cfg.device_plugin_dir, list(self.resources), self.state, alloc,
                                          self.stop)
         # Cluster reporting (node annotations, Events, node condition): None without a node name.
-        self.kube_reporter = make_reporter(cfg, self.state)
+        self.kube_reporter = make_reporter(cfg, self.state, None if cfg.expected_gpus else
+                                           expected_from_labels(self.monitor))
         self.health_server = HealthServer(
             cfg.health_socket_path, self.state,
             outlet_errors=self.kube_reporter.outlet_errors if self.kube_reporter is not None else dict,
@@ -317,6 +333,15 @@ class App:
             self.recovery.join(0.5)  # the stop has killed a running check; no result is taken from it
         self.monitor.join(max(0.1, deadline - time.monotonic()))
         self.backend.close()
+
+
+def make_inventory(cfg: Config, backend: Backend) -> Callable[[], Sequence[PciAddress] | None] | None:
+    """The NVIDIA GPUs on the PCI bus, to find those NVML does not list: on a real node (the NVML backend), or
+    wherever --sysfs-root was set (a simulated node has no bus of its own)."""
+    if backend.name != "nvml" and cfg.sysfs_root == option("sysfs_root").default:
+        return None
+    from plugin.devices.inventory import PciInventory
+    return PciInventory(cfg.sysfs_root).gpus
 
 
 def make_kernel_log(cfg: Config, monitor: Monitor) -> KernelLog | None:

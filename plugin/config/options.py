@@ -58,6 +58,19 @@ def positive_int(v: Any) -> int:
     return n
 
 
+def gpu_count(v: Any) -> int:
+    """0 (the default: no particular number) or a count of GPUs."""
+    if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
+        raise ValueError(f"expected a number of GPUs (0: none expected), got {v!r}")
+    try:
+        n = int(v)
+    except (TypeError, ValueError):
+        raise ValueError(f"expected a number of GPUs (0: none expected), got {v!r}") from None
+    if not 0 <= n <= 1024:
+        raise ValueError(f"expected a number of GPUs from 0 to 1024, got {v!r}")
+    return n
+
+
 def _resource(v: Any) -> str:
     s = str(v)
     if not is_extended_resource_name(s):
@@ -121,6 +134,13 @@ class Config:
         optional_path, "read driver events from the kernel log too (normally /dev/kmsg; off when unset): XIDs, "
         "\"fallen off the bus\" and RmInitAdapter failures logged while the plugin was down or starting are seen, "
         "from a cursor kept in the state dir (docs/kernel-log.md)", "PATH"))
+    expected_gpus: int = field(default=0, metadata=spec(
+        gpu_count, "how many GPUs this node has; fewer in NVML is the node reason gpu-missing. 0: the node's "
+        "nvidia.com/gpu.count label when GPU Feature Discovery sets it (read with cluster reporting), else no "
+        "particular number", "N"))
+    sysfs_root: Path = field(default=Path("/sys"), metadata=spec(
+        path, "where sysfs is mounted: NVIDIA GPUs on its PCI bus that NVML does not list are the node reason "
+        "gpu-missing (looked at with --backend nvml, or when this is set)", "DIR"))
     handover: bool = field(default=False, metadata=spec(
         parse_bool, "when another instance holds the state dir (a surge rollout starts the new pod first), serve "
         "the kubelet next to it and take the state dir over once it exits, instead of refusing to start"))

@@ -215,6 +215,14 @@ class ControllerConfig:
         "off", "FRACTION", key="policy.unhealthyFraction"))
     reboot_required: bool = field(default=True, metadata=spec(
         parse_bool, "quarantine a node when any device's action is reboot-node", key="policy.rebootRequired"))
+    gpu_missing: bool = field(default=True, metadata=spec(
+        parse_bool, "quarantine a node whose agent finds a GPU missing from NVML (on the PCI bus but not listed, or "
+        "fewer than expected: the node reason gpu-missing, action reboot-node) once it has said so for the "
+        "gpu-missing grace", key="policy.gpuMissing"))
+    gpu_missing_grace_s: float = field(default=600.0, metadata=spec(
+        Duration(positive=False), "how long a node must report gpu-missing, on this controller's clock, before the "
+        "gpu-missing rule quarantines it (a GPU reset or driver reload takes a GPU out of NVML for a while)",
+        "DURATION", flag="--gpu-missing-grace", key="policy.gpuMissingGrace"))
     capacity_gap: int = field(default=1, metadata=spec(
         count, "for nodes without our annotations: quarantine when capacity minus allocatable of nvidia.com/gpu* "
         "reaches this; 0 turns the rule off", "N", key="policy.capacityGap"))

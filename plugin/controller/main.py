@@ -30,8 +30,10 @@ def settings_of(cfg: ControllerConfig) -> Settings:
     return Settings(
         keys=Keys(cfg.annotation_prefix),
         rules=Rules(unhealthy_devices=cfg.unhealthy_devices, unhealthy_fraction=cfg.unhealthy_fraction,
-                    reboot_required=cfg.reboot_required, capacity_gap=cfg.capacity_gap),
-        recovery_hold_s=cfg.recovery_hold_s, repeat_limit=cfg.repeat_limit, repeat_window_s=cfg.repeat_window_s,
+                    reboot_required=cfg.reboot_required, capacity_gap=cfg.capacity_gap,
+                    gpu_missing=cfg.gpu_missing),
+        gpu_missing_grace_s=cfg.gpu_missing_grace_s, recovery_hold_s=cfg.recovery_hold_s,
+        repeat_limit=cfg.repeat_limit, repeat_window_s=cfg.repeat_window_s,
         no_execute_after_s=cfg.no_execute_after_s, cordon=cfg.cordon,
         label=cfg.quarantine_label, drain=cfg.drain, drain_per_minute=cfg.drain_per_minute,
         max_quarantined_fraction=cfg.max_quarantined_fraction, max_quarantined_nodes=cfg.max_quarantined_nodes,

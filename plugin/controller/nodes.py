@@ -194,6 +194,8 @@ class NodeFacts:
     # Why the agent's annotations cannot be read ("" when they can): a value past the codec's bounds, which only
     # a broken or hostile agent writes. The rules then neither quarantine nor release the node on a guess.
     unreadable: str = ""
+    # The codes of the node's own reasons (the agent's ``node`` key: gpu-missing), interned; () for most nodes.
+    node_codes: tuple[str, ...] = ()
 
     @property
     def is_gpu_node(self) -> bool:
@@ -213,7 +215,7 @@ class NodeFacts:
         label counts: an operator's relabelling may be what lets a refused write through (an admission policy)."""
         return (self.gpu_capacity, self.gpu_allocatable, self.annotated, self.node_state, self.devices,
                 self.device_total, self.taints, self.unschedulable, self.labels, self.quarantine,
-                self.foreign_taint, self.history, self.release_request, self.unreadable)
+                self.foreign_taint, self.history, self.release_request, self.unreadable, self.node_codes)
 
 
 def parse_time(value: object) -> float | None:
@@ -319,6 +321,7 @@ def facts_of(node: Mapping[str, Any], keys: Keys) -> NodeFacts:
         history=str(annotations.get(keys.history) or ""),
         release_request=None if keys.release not in annotations else str(annotations[keys.release]),
         unreadable=unreadable,
+        node_codes=tuple(_text(c) for c in agent.node_codes),
     )
 
 

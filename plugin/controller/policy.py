@@ -4,6 +4,9 @@ come back. Pure: no clock, no API; the reconciler supplies both (and times the r
 Rules, each naming its reason code (the taint's value):
 
 - ``reboot-required``: some device's recommended action is ``reboot-node`` (checked first: the heaviest remedy);
+- ``gpu-missing``: the agent says the node itself is short of a GPU (one on the PCI bus that NVML does not list,
+  or fewer than expected); the reconciler applies it only once the node has said so for ``gpu_missing_grace_s`` on
+  the controller's clock, since a GPU reset takes a GPU out of NVML for a moment;
 - ``unhealthy-devices``: the count of GPUs with an Unhealthy device reaches ``unhealthy_devices``, or their share
   of the node's GPUs reaches ``unhealthy_fraction``;
 - ``capacity-gap``: for a node without our annotations (the stock device plugin), capacity minus allocatable of
@@ -24,9 +27,10 @@ from plugin.controller.nodes import HEALTHY_STATES, Device, NodeFacts
 from plugin.health.reasons import Action, State
 
 REBOOT_REQUIRED = "reboot-required"
+GPU_MISSING = "gpu-missing"
 UNHEALTHY_DEVICES = "unhealthy-devices"
 CAPACITY_GAP = "capacity-gap"
-REASON_CODES = (REBOOT_REQUIRED, UNHEALTHY_DEVICES, CAPACITY_GAP)
+REASON_CODES = (REBOOT_REQUIRED, GPU_MISSING, UNHEALTHY_DEVICES, CAPACITY_GAP)
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,7 @@ class Rules:
     unhealthy_fraction: float = 0.0  # 0: off
     reboot_required: bool = True
     capacity_gap: int = 1  # 0: off
+    gpu_missing: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +70,8 @@ def _annotated(f: NodeFacts, rules: Rules) -> Assessment:
         asking = [d for d in f.devices if d.action == Action.REBOOT_NODE and d.state != State.HEALTHY]
         if asking:
             return Assessment(REBOOT_REQUIRED, "reboot-node asked for by " + _list(asking), False)
+    if rules.gpu_missing and GPU_MISSING in f.node_codes:
+        return Assessment(GPU_MISSING, "the node agent finds a GPU missing from NVML (reboot-node)", False)
     bad = [d for d in f.devices if d.state == State.UNHEALTHY]
     bad_gpus = len({d.gpu for d in bad})
     # An unknown total (an older agent's truncated entries) leaves the share rule out rather than guess it.
@@ -76,7 +83,8 @@ def _annotated(f: NodeFacts, rules: Rules) -> Assessment:
         return Assessment(UNHEALTHY_DEVICES, f"{bad_gpus} of {of} GPUs Unhealthy: " + _list(bad), False)
     # Fit needs GPUs to be seen at all: device entries, or a capacity (the agent may have withdrawn every entry).
     visible = bool(f.devices) or f.gpu_capacity > 0
-    fit = visible and f.node_state in HEALTHY_STATES and not bad and all(d.state in HEALTHY_STATES for d in f.devices)
+    fit = (visible and f.node_state in HEALTHY_STATES and not bad and not f.node_codes
+           and all(d.state in HEALTHY_STATES for d in f.devices))
     # No "fit since" from the devices' own `since`: that is the agent's word, and the agent's account can write
     # it; the recovery hold runs on the controller's clock from when it first saw the node fit.
     return Assessment(None, f"node state {f.node_state or 'unset'}, {len(bad)} Unhealthy devices", fit)

@@ -46,7 +46,7 @@ from plugin.controller.nodes import (
     facts_of,
     shared,
 )
-from plugin.controller.policy import Assessment, Rules, assess
+from plugin.controller.policy import GPU_MISSING, Assessment, Rules, assess
 from plugin.kube.errors import ApiFailure
 from plugin.kube.events import Involved, event_body, rfc3339
 from plugin.kube.ratelimit import TokenBucket
@@ -102,6 +102,7 @@ class Settings:
     keys: Keys
     rules: Rules
     recovery_hold_s: float = 600.0
+    gpu_missing_grace_s: float = 600.0
     repeat_limit: int = 5  # 0: off
     repeat_window_s: float = 7 * 86400.0
     no_execute_after_s: float = 0.0
@@ -127,6 +128,9 @@ class Entry:
     # When this process first saw it fit, by its own clock: the recovery hold counts from here, never from a time
     # the node agent wrote (its account can write any device `since`). A new leader starts the hold over.
     fit_seen: float | None = None
+    # When this process first saw the node report a GPU missing, by its own clock: the gpu-missing rule waits its
+    # grace from here (a GPU reset takes a GPU out of NVML for a while, and the agent's times are its word).
+    missing_seen: float | None = None
     dry: Quarantine | None = None  # what --dry-run pretends it applied
     drained_logged: bool = False
     blocked_told: bool = False  # its GPUQuarantineBlocked Event went out (once while it waits)
@@ -635,9 +639,18 @@ class Reconciler:
                             f"request ({self.s.keys.release}={f.release_request!r})", now)
                 self._decide(name, now)  # on the record as it is now
                 return
+            if a.reason != GPU_MISSING:
+                e.missing_seen = None
             if a.reason is None:
                 e.blocked_told = False
                 return
+            if a.reason == GPU_MISSING and self.s.gpu_missing_grace_s > 0:
+                if e.missing_seen is None:
+                    e.missing_seen = now
+                due = e.missing_seen + self.s.gpu_missing_grace_s
+                if now < due:
+                    self._at(due, name)
+                    return
             if self._pool is not None and not self.s.dry_run:
                 self._await_writes(self._writers - 1, now)  # a writer free before a slot is reserved for it
             allowed = self._reserve(name)

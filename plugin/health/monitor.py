@@ -19,8 +19,8 @@ from plugin.devices.kmsg import PciAddress, pci_address
 from plugin.devices.model import EventKind, EventOrigin, Gpu, GpuEvent, Reading
 from plugin.health.config import HealthConfig
 from plugin.health.node_state import DeviceStatus, NodeState, Transition
-from plugin.health.policy import Disposition, condition
-from plugin.health.reasons import Clear, Reason, Source, State
+from plugin.health.policy import Disposition, condition, inventory_condition
+from plugin.health.reasons import Clear, Condition, Reason, Source, State
 from plugin.health.recovery import RecoveryChecker
 from plugin.health.store import Persister, StateStore
 from plugin.health.tracker import ClearRefused, DeviceTracker
@@ -33,6 +33,36 @@ log = logging.getLogger(__name__)
 # driver writes the log line and signals the event set together; the reader's clock and the record's own differ
 # by a scheduling delay, never by more than this.
 SAME_EVENT_WINDOW_S = 5.0
+
+
+class _NodeReason:
+    """One node reason's hysteresis: on after ``RAISE_AFTER_POLLS`` polls in a row show it (a GPU reset or a driver
+    reload takes a GPU out of NVML for a moment), off after ``clear_after`` polls in a row without it; while on, its
+    first time stays and its message follows the latest poll."""
+
+    RAISE_AFTER_POLLS = 2
+
+    def __init__(self, clear_after: int) -> None:
+        self.clear_after = max(1, clear_after)
+        self.reason: Reason | None = None
+        self._seen = 0
+        self._clean = 0
+        self._first = 0.0
+
+    def observe(self, c: Condition | None, now: float) -> None:
+        if c is None:
+            self._seen = 0
+            self._clean += 1
+            if self.reason is not None and self._clean >= self.clear_after:
+                self.reason = None
+            return
+        self._clean = 0
+        self._seen += 1
+        if self._seen == 1 and self.reason is None:
+            self._first = now
+        if self.reason is not None or self._seen >= self.RAISE_AFTER_POLLS:
+            first = self.reason.first_seen if self.reason is not None else self._first
+            self.reason = Reason.of(c, first)
 
 
 class SameEvent:
@@ -74,8 +104,16 @@ class Monitor:
                  stop: threading.Event, store: StateStore | None = None,
                  clock: Callable[[], float] = time.time, event_wait_s: float = 0.25,
                  stall_s: float | None = None, boot_id: str = "",
-                 recovery: RecoveryChecker | None = None) -> None:
+                 recovery: RecoveryChecker | None = None,
+                 inventory: Callable[[], Sequence[PciAddress] | None] | None = None,
+                 expected_gpus: int | None = None) -> None:
         self.backend = backend
+        # What says a GPU is missing from NVML: the NVIDIA GPUs on the PCI bus (None: not looked at) and how many
+        # GPUs the node should have (--expected-gpus, or its nvidia.com/gpu.count label: set_expected_gpus).
+        self.inventory = inventory
+        self.expected_gpus = expected_gpus
+        self._missing = _NodeReason(cfg.clear_after_polls)
+        self.gpus_missing = 0  # for /metrics: GPUs the last poll found missing (0 when none, or not looked at)
         # The node's boot: latches carry it, and one from another boot that a reboot mends clears at a clean read.
         self.boot_id = boot_id
         self.recovery = recovery
@@ -387,6 +425,8 @@ class Monitor:
                         # check must not start under a workload scheduled since.
                         self.recovery.cancel(gpu.uuid)
             now = self.clock()
+            if discovery.error is None:  # a failed discovery says nothing of which GPUs NVML has
+                self._check_inventory(discovery.gpus, now)
             transitions = self._publish_locked(now, discovery.error)
         self.last_poll_at = now
         elapsed = time.perf_counter() - started
@@ -543,6 +583,30 @@ class Monitor:
                 return self._mig_trackers.get(key) or self._new_tracker(key)
         return self._trackers.get(uuid)  # an instance we do not advertise: charge the whole GPU
 
+    def set_expected_gpus(self, n: int | None) -> None:
+        """How many GPUs the node should have, from the node's label when no --expected-gpus was given; judged at the
+        next poll."""
+        if n != self.expected_gpus:
+            log.info("expecting %s GPUs on this node", n if n is not None else "no particular number of")
+            self.expected_gpus = n
+            self.request_poll()
+
+    def _check_inventory(self, gpus: Sequence[Gpu], now: float) -> None:
+        if self.inventory is None and self.expected_gpus is None:
+            return
+        on_bus = self.inventory() if self.inventory is not None else None
+        in_nvml = [a for g in gpus if (a := pci_address(g.pci_bus_id)) is not None]
+        c = inventory_condition(on_bus, in_nvml, len(gpus), self.expected_gpus, self.cfg)
+        before = self._missing.reason
+        self._missing.observe(c, now)
+        self.gpus_missing = max(len(set(on_bus or ()) - set(in_nvml)),
+                                (self.expected_gpus or 0) - len(gpus), 0) if c is not None else 0
+        after = self._missing.reason
+        if after is not None and (before is None or before.message != after.message):
+            log.warning("node: %s: %s", after.code, after.message)
+        elif after is None and before is not None:
+            log.info("node: %s cleared: every GPU is there again", before.code)
+
     def _publish_locked(self, now: float, error: str | None = None) -> list[Transition]:
         statuses: list[DeviceStatus] = []
         mapping = self.cfg.kubelet_health
@@ -578,7 +642,8 @@ class Monitor:
                         m_cleared = own.cleared
                 statuses.append(DeviceStatus(mig.uuid, gpu, m_state, m_reasons, m_since, mapping[m_state], mig,
                                              m_cleared))
-        transitions = self.state.publish(statuses, now, error)
+        node = (self._missing.reason,) if self._missing.reason is not None else ()
+        transitions = self.state.publish(statuses, now, error, node)
         for t in transitions:
             log.info("transition #%d %s: %s -> %s %s", t.seq, t.id, t.from_state, t.to_state,
                      ",".join(r.code for r in t.reasons) or "-")

@@ -100,14 +100,17 @@ class Snapshot:
     devices: tuple[DeviceStatus, ...]
     backend_error: str | None = None
     by_id: dict[str, DeviceStatus] = field(default_factory=dict, compare=False, repr=False)
+    # The node's own reasons, no device's (gpu-missing: a GPU on the bus that NVML does not list), worst first.
+    node_reasons: tuple[Reason, ...] = ()
 
     def get(self, device_id: str) -> DeviceStatus | None:
         return self.by_id.get(device_id)
 
 
-def _make_snapshot(version: int, seq: int, devices: Iterable[DeviceStatus], error: str | None) -> Snapshot:
+def _make_snapshot(version: int, seq: int, devices: Iterable[DeviceStatus], error: str | None,
+                   node_reasons: tuple[Reason, ...] = ()) -> Snapshot:
     devs = tuple(devices)
-    return Snapshot(version, seq, devs, error, {d.id: d for d in devs})
+    return Snapshot(version, seq, devs, error, {d.id: d for d in devs}, node_reasons)
 
 
 def _keep_since(d: DeviceStatus, before: DeviceStatus | None) -> DeviceStatus:
@@ -126,15 +129,18 @@ class NodeState:
 
     # Writers --------------------------------------------------------------------------------------------------
 
-    def publish(self, devices: Iterable[DeviceStatus], now: float,
-                backend_error: str | None = None) -> list[Transition]:
-        """Replace the device list. Bumps the version only when something a reader can see changed."""
+    def publish(self, devices: Iterable[DeviceStatus], now: float, backend_error: str | None = None,
+                node_reasons: tuple[Reason, ...] = ()) -> list[Transition]:
+        """Replace the device list and the node's own reasons. Bumps the version only when something a reader can
+        see changed. The node's reasons make no transition: no device moved (the outlets that speak of the node,
+        its annotations, condition and Events, read them from the snapshot)."""
+        node_reasons = _ordered(node_reasons)
         with self._cond:
             old = self._snapshot
             # ``since`` is when a device entered its current state: while the state holds, the first value stays,
             # whatever a writer computes now (outlets diff on it, so a moving ``since`` would be a write per poll).
             devs = tuple(_keep_since(d, old.by_id.get(d.id)) for d in devices)
-            if devs == old.devices and backend_error == old.backend_error:
+            if devs == old.devices and backend_error == old.backend_error and node_reasons == old.node_reasons:
                 return []
             new_ids = {d.id for d in devs}
             transitions: list[Transition] = []
@@ -153,7 +159,7 @@ class NodeState:
                     self._seq += 1
                     transitions.append(Transition(self._seq, d.id, d.state.value, ABSENT, (), now))
             self._history.extend(transitions)
-            self._snapshot = _make_snapshot(old.version + 1, self._seq, devs, backend_error)
+            self._snapshot = _make_snapshot(old.version + 1, self._seq, devs, backend_error, node_reasons)
             self._cond.notify_all()
             return transitions
 

@@ -6,8 +6,10 @@ class can be overridden from the config file's ``health`` section.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from enum import StrEnum
 
+from plugin.devices.kmsg import PciAddress, pci_text
 from plugin.devices.model import EventKind, EventOrigin, GpuEvent, Reading
 from plugin.health.config import HealthConfig
 from plugin.health.reasons import SPECS, Condition, Source, State, xid_spec
@@ -142,6 +144,24 @@ def evaluate_reading(reading: Reading, previous: Reading | None, cfg: HealthConf
     elif r.fabric_health == "limited_capacity":
         add("fabric-limited", "NVSwitch fabric at limited capacity")
     return _filtered(out, cfg)
+
+
+def inventory_condition(on_bus: Iterable[PciAddress] | None, in_nvml: Iterable[PciAddress], nvml_count: int,
+                        expected: int | None, cfg: HealthConfig) -> Condition | None:
+    """The node's ``gpu-missing``, if the bus or the expected count says a GPU is missing from NVML: GPUs on the bus
+    (None: the bus could not be read) that NVML does not list, and NVML's count against ``expected``."""
+    parts = []
+    missing = sorted(set(on_bus) - set(in_nvml)) if on_bus is not None else []
+    if missing:
+        shown = ", ".join(pci_text(a) for a in missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8
+                                                                 else "")
+        parts.append(f"{len(missing)} GPU{'' if len(missing) == 1 else 's'} on the PCI bus not seen by NVML: {shown}")
+    if expected is not None and nvml_count < expected:
+        parts.append(f"NVML sees {nvml_count} of the {expected} GPUs expected")
+    if not parts:
+        return None
+    found = _filtered([condition("gpu-missing", "; ".join(parts), Source.POLL)], cfg)
+    return found[0] if found else None
 
 
 def _filtered(conditions: list[Condition], cfg: HealthConfig) -> list[Condition]:

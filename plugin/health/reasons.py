@@ -280,6 +280,13 @@ REASONS: tuple[ReasonSpec, ...] = (
     ReasonSpec("gpu-lost", State.UNHEALTHY, Action.REBOOT_NODE, Source.POLL,
                "NVML reports the GPU lost (fallen off the bus).",
                todo="Reboot the node; a GPU still lost after that: reseat or replace it."),
+    ReasonSpec("gpu-missing", State.UNHEALTHY, Action.REBOOT_NODE, Source.POLL,
+               "The node's, not a device's: an NVIDIA GPU on the PCI bus that NVML does not list (it fell off the bus "
+               "or never initialised: RmInitAdapter), or fewer GPUs in NVML than `--expected-gpus`. The GPUs that are "
+               "there keep their own states; the node is short of one. Seen in two polls in a row; clears after "
+               "`clearAfterPolls` polls with every GPU there.",
+               todo="Reboot the node (the fleet controller's `gpu-missing` rule does, after its grace period); a GPU "
+                    "still missing after that: reseat or replace it (the message names its PCI address)."),
     ReasonSpec("gpu-unavailable", State.UNHEALTHY, Action.RESET_GPU, Source.EVENT,
                "The driver reports the GPU unavailable.",
                todo="Reset the GPU or reboot the node."),

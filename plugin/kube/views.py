@@ -16,6 +16,8 @@ class NodeView:
     resource_version: str
     annotations: dict[str, str]
     conditions: list[dict[str, Any]] = field(default_factory=list)
+    # Read for one label (GPU Feature Discovery's nvidia.com/gpu.count); not part of what a patch is computed from.
+    labels: dict[str, str] = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)
@@ -34,4 +36,5 @@ def node_view(doc: dict[str, Any]) -> NodeView:
     conditions = (doc.get("status") or {}).get("conditions") or []
     return NodeView(name=meta.get("name") or "", uid=meta.get("uid") or "",
                     resource_version=meta.get("resourceVersion") or "",
-                    annotations=dict(meta.get("annotations") or {}), conditions=[dict(c) for c in conditions])
+                    annotations=dict(meta.get("annotations") or {}), conditions=[dict(c) for c in conditions],
+                    labels={str(k): str(v) for k, v in (meta.get("labels") or {}).items()})

@@ -59,7 +59,7 @@ CHECKS: Mapping[str, str] = {
     "recovery-action-reset": DRIVER, "recovery-action-reboot": DRIVER, "recovery-action-drain-p2p": DRIVER,
     "recovery-action-imex": DRIVER, "recovery-action-unknown": DRIVER, "nvml-stalled": NVML,
     "nvml-check-unavailable": NVML,
-    "gpu-lost": DRIVER, "gpu-unavailable": DRIVER, "reset-required": DRIVER,
+    "gpu-lost": DRIVER, "gpu-unavailable": DRIVER, "reset-required": DRIVER, "gpu-missing": DRIVER,
     "nvml-error": NVML,
     "flapping": FLAPPING,
     "recovery-check-failed": RECOVERY_CHECK, "recovery-check-pending": RECOVERY_CHECK,

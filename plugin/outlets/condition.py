@@ -44,7 +44,20 @@ def desired_condition(snapshot: Snapshot, ctype: str, style: str = "ours") -> De
     names = device_names(snapshot.devices)
     unhealthy = [d for d in snapshot.devices if d.state is State.UNHEALTHY]
     unknown = [d for d in snapshot.devices if d.state is State.UNKNOWN]
+    own = tuple(r for r in snapshot.node_reasons if r.severity is State.UNHEALTHY)
     n = len(snapshot.devices)
+    if own:
+        # The node's own reason (a GPU missing) outranks its devices': the node is short of a GPU whatever the rest
+        # say, and its reason names the fault an operator acts on.
+        status, bad = "False", unhealthy
+        head = "; ".join(f"{r.code}: {r.message}" for r in own)
+        if unhealthy:
+            head += f"; {len(unhealthy)} of {n} GPU devices Unhealthy"
+        parts = [f"{names[d.id]} ({d.id}): {', '.join(r.code for r in d.reasons) or 'no reason given'}"
+                 for d in sorted(bad, key=lambda d: names[d.id])]
+        message = head + (": " + "; ".join(parts) if parts else "")
+        reason = condition_reason(style, status, worst_reason([own, *(d.reasons for d in bad)]))
+        return DesiredCondition(ctype, status, reason, truncate(message))
     if unhealthy:
         status, bad = "False", unhealthy
         head = f"{len(unhealthy)} of {n} GPU devices Unhealthy"

@@ -42,6 +42,7 @@ EKS_NAMES: dict[str, str] = {
     "fabric-unhealthy": "NvidiaFabricError",
     "fabric-limited": "NvidiaFabricError",
     "gpu-lost": "NvidiaDeviceCountMismatch",
+    "gpu-missing": "NvidiaDeviceCountMismatch",
 }
 # xid-79 and xid-13-repeated: every XID reason code carries its number first.
 _XID_CODE = re.compile(r"xid-([0-9]+)(?:-[a-z]+)?")

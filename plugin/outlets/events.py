@@ -50,6 +50,12 @@ NAMES_BUDGET = 240
 
 CLEARED = "GPUFaultCleared"  # the Event reason of a clearance that changed no state
 
+# The node's own reasons (a GPU missing from NVML) as a transition of this pseudo-device, made by the reporter when
+# they change (never in the node state's history: no device moved). Its Events have reasons of their own.
+NODE_ID = "node"
+_NODE_INTO = {"gpu-missing": "GPUMissing"}
+_NODE_OUT = {"gpu-missing": "GPUMissingResolved"}
+
 Key = tuple[str, tuple[str, ...], frozenset[str], str]  # (reason, codes, device ids, note)
 
 
@@ -91,6 +97,12 @@ def event_for(t: Transition, device: str) -> EventSpec | None:
     reason = _INTO.get(t.to_state, "GPUStateChanged")
     kind = "Warning" if t.to_state in BAD_STATES else "Normal"
     msg = f"{device} ({t.id}): {t.from_state} -> {t.to_state}{_detail(t.reasons)}{_noted(t.note)}"
+    if t.id == NODE_ID:
+        # The reasons are the ones it has after (entering) or had before (leaving, carried in ``note``'s place).
+        code = (t.reasons[0].code if t.reasons else t.note)
+        reason = (_NODE_INTO if kind == "Warning" else _NODE_OUT).get(code, "GPUNodeStateChanged")
+        msg = f"node: {t.from_state} -> {t.to_state}{_detail(t.reasons)}"
+        return EventSpec(t.id, device, reason, kind, codes, truncate(msg))
     # Cut here, not only in the body: a patch of an aggregated Event carries the message too.
     return EventSpec(t.id, device, reason, kind, codes, truncate(msg), t.note)
 

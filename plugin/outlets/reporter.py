@@ -32,6 +32,7 @@ from typing import Literal
 
 from plugin.backoff import Backoff
 from plugin.health.node_state import NodeState, Snapshot, Transition
+from plugin.health.reasons import State
 from plugin.kube.errors import ApiFailure
 from plugin.kube.names import DEFAULT_PREFIX
 from plugin.kube.protocols import KubeApi
@@ -39,7 +40,7 @@ from plugin.kube.ratelimit import WriteScheduler
 from plugin.kube.views import NodeView
 from plugin.kube.writer import PacedWriter, WriterStatus
 from plugin.outlets.condition import DesiredCondition, desired_condition, find_condition
-from plugin.outlets.events import Entry, EventAggregator
+from plugin.outlets.events import NODE_ID, Entry, EventAggregator
 from plugin.outlets.worker import OutletThread
 from plugin.schema.annotations import (
     DEFAULT_MAX_BYTES,
@@ -47,6 +48,7 @@ from plugin.schema.annotations import (
     device_names,
     last_transitions,
     merge_patch,
+    node_state,
 )
 
 log = logging.getLogger(__name__)
@@ -115,7 +117,10 @@ class ReporterStatus(WriterStatus):
 class KubeReporter(PacedWriter[ReporterStatus, KubeApi], OutletThread):
     def __init__(self, state: NodeState, settings: ReporterSettings, api_factory: Callable[[], KubeApi],
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None,
+                 on_labels: Callable[[dict[str, str]], None] | None = None) -> None:
+        # Told the Node's labels at each read (start and resync): how the expected GPU count reaches the monitor.
+        self._on_labels = on_labels
         OutletThread.__init__(self, state, clock, version=0, thread_name="kube-reporter", label=LABEL, log=log)
         self.settings = s = settings
         rng = rng or random.Random()
@@ -131,7 +136,8 @@ class KubeReporter(PacedWriter[ReporterStatus, KubeApi], OutletThread):
         # Where the history restored from the state dir ends: what comes after it happened in this run.
         self._born_seq = state.snapshot().seq
         self._last: dict[str, Transition] = {}
-        self._names: dict[str, str] = {}
+        self._names: dict[str, str] = {NODE_ID: NODE_ID}
+        self._node_codes: tuple[str, ...] = ()  # the node's own reasons last seen, for its Events
         self._desired: dict[str, str] = {}
         self._desired_cond: DesiredCondition | None = None
         self._remote: NodeView | None = None
@@ -187,6 +193,7 @@ class KubeReporter(PacedWriter[ReporterStatus, KubeApi], OutletThread):
             # the exception: the first poll after a reboot makes it before we look, and it is this run's news.
             if first:
                 news = [t for t in self.state.history() if t.seq > self._born_seq and t.note]
+            news = [*(news or []), *self._node_transition(snap, now)]
             if news:
                 self._events.observe(news, self._names, now)
         self._seq = snap.seq
@@ -204,6 +211,19 @@ class KubeReporter(PacedWriter[ReporterStatus, KubeApi], OutletThread):
             self._desired_cond = desired_condition(snap, s.condition_type, s.condition_reasons)
         present = {d.id for d in snap.devices}
         self._last = {k: v for k, v in self._last.items() if k in present}
+
+    def _node_transition(self, snap: Snapshot, now: float) -> list[Transition]:
+        """The node's own reasons changing (a GPU gone missing, or back) as a transition of the node, for an Event.
+        Seen at the first look too: a GPU missing at start is news (it is no latched fault reloaded)."""
+        codes = tuple(r.code for r in snap.node_reasons)
+        if codes == self._node_codes:
+            return []
+        before, self._node_codes = self._node_codes, codes
+        state = node_state(snap).value if codes else State.HEALTHY.value
+        if codes:
+            return [Transition(0, NODE_ID, State.HEALTHY.value if not before else state, state, snap.node_reasons,
+                               now)]
+        return [Transition(0, NODE_ID, State.UNHEALTHY.value, state, (), now, note=before[0])]
 
     def _annotation_patch(self) -> dict[str, str | None]:
         if not self.settings.annotations or self._remote is None:
@@ -235,6 +255,8 @@ class KubeReporter(PacedWriter[ReporterStatus, KubeApi], OutletThread):
             return False
         self._need_read = False
         self._next_resync = now + self.settings.resync_s
+        if self._on_labels is not None:
+            self._on_labels(self._remote.labels)
         self._update(reads=self.status().reads + 1)
         self._recovered()
         return True

@@ -17,6 +17,8 @@ Keys (``<prefix>`` is ``gpu-health.io`` by default):
   must fit 63 characters, which a GPU UUID after ``gpu.`` does not, so the key uses the index and the value carries
   the UUID. A device whose key would clash or not fit gets ``dev.<16 hex digits of sha256(id)>``.
 - ``<prefix>/truncated``: present only when the size cap dropped device entries.
+- ``<prefix>/node``: present only while the node itself has reasons (``gpu-missing``: a GPU on the PCI bus that NVML
+  does not list), ``{"reasons":[{"code","severity","action","message","since"}]}``. Added within v1.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ STATE_KEY = "state"
 SUMMARY_KEY = "summary"
 TRUNCATED_KEY = "truncated"
 COUNT_KEY = "devices"
-FIXED_KEYS = (SCHEMA_KEY, STATE_KEY, SUMMARY_KEY, COUNT_KEY, TRUNCATED_KEY)
+NODE_KEY = "node"
+FIXED_KEYS = (SCHEMA_KEY, STATE_KEY, SUMMARY_KEY, COUNT_KEY, TRUNCATED_KEY, NODE_KEY)
 
 _DEVICE_NAME_RE = re.compile(r"^(gpu\.\d+(\.mig\.\d+\.\d+)?|dev\.[0-9a-f]{16})$")
 
@@ -143,9 +146,21 @@ def device_value(d: DeviceStatus, last: Transition | None, minimal: bool = False
 
 
 def node_state(snapshot: Snapshot) -> State:
+    """The worst of the devices' states and the node's own reasons (a GPU missing makes the node Unhealthy while
+    every GPU there is Healthy)."""
+    own = [r.severity for r in snapshot.node_reasons]
     if not snapshot.devices:
-        return State.UNKNOWN if snapshot.backend_error else State.HEALTHY
-    return State.worst(*(d.state for d in snapshot.devices))
+        return State.worst(State.UNKNOWN if snapshot.backend_error else State.HEALTHY, *own)
+    return State.worst(*(d.state for d in snapshot.devices), *own)
+
+
+def node_value(snapshot: Snapshot) -> str | None:
+    """The ``node`` key's value: the node's own reasons, worst first; None (no key) when it has none."""
+    if not snapshot.node_reasons:
+        return None
+    return json.dumps({"reasons": [{"code": r.code, "severity": r.severity.value, "action": r.action.value,
+                                    "message": _short(r.message, 4 * MESSAGE_MAX), "since": rfc3339(r.first_seen)}
+                                   for r in snapshot.node_reasons]}, separators=(",", ":"))
 
 
 def _severity_order(d: DeviceStatus, name: str) -> tuple[int, str]:
@@ -171,6 +186,8 @@ def summary_line(snapshot: Snapshot, names: Mapping[str, str]) -> str:
         worst.append(f"{names[d.id]} {d.state.value}{why}")
     if len(bad) > SUMMARY_WORST:
         worst.append(f"+{len(bad) - SUMMARY_WORST} more")
+    # The node's own reasons come first: what they say (a GPU missing) is not in any device's entry.
+    worst = [f"node {r.code} ({r.action})" for r in snapshot.node_reasons] + worst
     if worst:
         line += "; " + ", ".join(worst)
     if snapshot.backend_error:
@@ -203,6 +220,8 @@ def desired_annotations(snapshot: Snapshot, last: Mapping[str, Transition], pref
         f"{prefix}/{SUMMARY_KEY}": summary_line(snapshot, names),
         f"{prefix}/{COUNT_KEY}": count_value(snapshot),
     }
+    if (own := node_value(snapshot)) is not None:
+        fixed[f"{prefix}/{NODE_KEY}"] = own
     devices = {f"{prefix}/{names[d.id]}": device_value(d, last.get(d.id)) for d in snapshot.devices}
     full = {**fixed, **devices}
     if size_of(full) <= max_bytes:
@@ -318,6 +337,12 @@ class NodeAnnotations:
     device_count: int | None
     gpu_count: int | None
     unreadable: tuple[Unreadable, ...] = ()
+    # The node's own reasons (the ``node`` key), worst first, each with the fields as written ("" when absent).
+    node_reasons: tuple[dict[str, str], ...] = ()
+
+    @property
+    def node_codes(self) -> tuple[str, ...]:
+        return tuple(r["code"] for r in self.node_reasons if r.get("code"))
 
 
 def decode(annotations: Mapping[str, str], prefix: str = DEFAULT_PREFIX, node: str = "") -> NodeAnnotations:
@@ -343,6 +368,11 @@ def decode(annotations: Mapping[str, str], prefix: str = DEFAULT_PREFIX, node: s
     if isinstance(count, Unreadable):
         unreadable.append(Unreadable(COUNT_KEY, count.why))
         count = None
+    own = _load(annotations.get(f"{prefix}/{NODE_KEY}") or "")
+    if isinstance(own, Unreadable):
+        unreadable.append(Unreadable(NODE_KEY, own.why))
+        own = None
+    node_reasons = _node_reasons(own)
     total, gpus = _count(count)
     seen_gpus = len({e.gpu for e in devices})
     if total is None or gpus is None:
@@ -354,7 +384,19 @@ def decode(annotations: Mapping[str, str], prefix: str = DEFAULT_PREFIX, node: s
                            state=annotations.get(state_key, ""), annotated=state_key in annotations,
                            summary=annotations.get(f"{prefix}/{SUMMARY_KEY}", ""), truncated=truncated,
                            devices=tuple(devices), device_count=total, gpu_count=gpus,
-                           unreadable=tuple(sorted(unreadable, key=lambda u: _natural(u.key))))
+                           unreadable=tuple(sorted(unreadable, key=lambda u: _natural(u.key))),
+                           node_reasons=node_reasons)
+
+
+def _node_reasons(doc: object) -> tuple[dict[str, str], ...]:
+    """The ``node`` key's reasons; entries that are not objects with a string code are skipped (a hand edit)."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("reasons"), list):
+        return ()
+    out = []
+    for r in doc["reasons"]:
+        if isinstance(r, dict) and isinstance(r.get("code"), str) and r["code"]:
+            out.append({k: v for k, v in r.items() if isinstance(k, str) and isinstance(v, str)})
+    return tuple(out)
 
 
 def parse_node(node_name: str, annotations: Mapping[str, str], prefix: str = DEFAULT_PREFIX) -> list[DeviceEntry]:

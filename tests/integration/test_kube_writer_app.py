@@ -98,3 +98,81 @@ def test_an_idle_node_polling_every_tenth_of_a_second_writes_nothing(reporting_e
     e.node.set(4, xid_events=[79])
     assert api.wait_for(lambda: _device(api, 4).get("state") == "Unhealthy")
     assert not api.wait_for(lambda: patched() > patches + 1, timeout=1.0), api.requests[-3:]
+
+
+def test_a_gpu_on_the_bus_that_nvml_misses_is_the_nodes_annotation_condition_and_event(
+        short_socket_dir: Path, dev_root: Path, api: FakeApiServer) -> None:
+    from tests.unit.test_gpu_missing import bus, function
+
+    sysfs = short_socket_dir / "sys"
+    bus(sysfs, 8)  # the simulated node's 8 GPUs, at the addresses its node file gives them
+    node = NodeFile(short_socket_dir / "node.json")
+    kubelet = KubeletStandin(short_socket_dir / "dp")
+    kubelet.start()
+    cfg = make_config(short_socket_dir, node, dev_root, node_name=NODE, kubeconfig=api.kubeconfig(short_socket_dir),
+                      report_debounce=0.05, report_min_interval=0.05, sysfs_root=sysfs,
+                      node_condition=True)
+    app = App(cfg)
+    app.start()
+
+    def ours() -> dict[str, str]:  # read inside wait_for, under the server's lock: never api.annotations() there
+        return dict(api.nodes[NODE]["metadata"].get("annotations") or {})
+
+    try:
+        assert api.wait_for(lambda: ours().get(f"{P}/state") == "Healthy")
+        assert f"{P}/node" not in api.annotations(NODE)
+        # A ninth GPU on the bus that never initialised: NVML lists 8.
+        function(sysfs, "0000:98:00.0", 0x10DE, 0x030200)
+        assert api.wait_for(lambda: f"{P}/node" in ours()), api.requests[-3:]
+        ann = api.annotations(NODE)
+        assert ann[f"{P}/state"] == "Unhealthy"
+        assert json.loads(ann[f"{P}/node"])["reasons"][0]["message"] == \
+            "1 GPU on the PCI bus not seen by NVML: 0000:98:00.0"
+        assert kubelet.capacity() == (8, 8)  # the kubelet's 8 are all fine
+
+        def events(reason: str) -> list[dict[str, object]]:
+            return [e for e in list(api.events.values()) if e.get("reason") == reason]  # no lock taken
+
+        assert api.wait_for(lambda: len(events("GPUMissing")) == 1)
+        [ev] = events("GPUMissing")
+        assert ev["type"] == "Warning" and "0000:98:00.0" in str(ev["message"])
+        cond = [c for c in api.nodes[NODE]["status"].get("conditions", []) if c["type"] == "GPUHealthy"]
+        assert cond and cond[0]["status"] == "False" and cond[0]["message"].startswith("gpu-missing")
+        # It goes from the bus (pulled for repair): the key goes, the state is Healthy, the Event says so.
+        for f in (sysfs / "bus" / "pci" / "devices" / "0000:98:00.0").iterdir():
+            f.unlink()
+        (sysfs / "bus" / "pci" / "devices" / "0000:98:00.0").rmdir()
+        assert api.wait_for(lambda: f"{P}/node" not in ours())
+        assert api.annotations(NODE)[f"{P}/state"] == "Healthy"
+        assert api.wait_for(lambda: len(events("GPUMissingResolved")) == 1)
+        assert len(events("GPUMissing")) == 1
+    finally:
+        app.stop.set()
+        app.shutdown()
+        kubelet.stop()
+
+
+def test_the_nodes_gpu_count_label_is_the_expected_count(short_socket_dir: Path, dev_root: Path,
+                                                         api: FakeApiServer) -> None:
+    """GPU Feature Discovery's nvidia.com/gpu.count says 9; NVML (the simulated node) lists 8."""
+    with api.lock:
+        api.nodes[NODE]["metadata"]["labels"] = {"nvidia.com/gpu.count": "9", "nvidia.com/gpu.present": "true"}
+    node = NodeFile(short_socket_dir / "node.json")
+    kubelet = KubeletStandin(short_socket_dir / "dp")
+    kubelet.start()
+    cfg = make_config(short_socket_dir, node, dev_root, node_name=NODE, kubeconfig=api.kubeconfig(short_socket_dir),
+                      report_debounce=0.05, report_min_interval=0.05)
+    app = App(cfg)
+    app.start()
+
+    def ours() -> dict[str, str]:
+        return dict(api.nodes[NODE]["metadata"].get("annotations") or {})
+
+    try:
+        assert api.wait_for(lambda: f"{P}/node" in ours()), api.requests[-3:]
+        assert json.loads(ours()[f"{P}/node"])["reasons"][0]["message"] == "NVML sees 8 of the 9 GPUs expected"
+        assert app.monitor.expected_gpus == 9
+    finally:
+        app.stop.set()
+        app.shutdown()
+        kubelet.stop()

@@ -10,7 +10,7 @@ import pytest
 
 from plugin.devices.model import EventKind, GpuEvent, Reading
 from plugin.health.config import APPLICATION_XIDS, DEGRADED_XIDS, FATAL_XIDS, HealthConfig
-from plugin.health.policy import Disposition, classify_event, evaluate_reading, xid_class
+from plugin.health.policy import Disposition, classify_event, evaluate_reading, inventory_condition, xid_class
 from plugin.health.reasons import (
     ACTIONS,
     REASONS,
@@ -190,6 +190,9 @@ def _emitted() -> list[tuple[str, Condition]]:
         _, ec = classify_event(e, CFG)
         assert ec is not None, f"{e.kind} {e.code} produced no condition"
         out.append((f"event {e.kind} {e.code}", ec))
+    missing = inventory_condition([(0, 0x18, 0), (0, 0x28, 0)], [(0, 0x18, 0)], 1, None, CFG)
+    assert missing is not None
+    out.append(("inventory: a GPU on the bus that NVML does not list", missing))
     return out
 
 

@@ -155,6 +155,9 @@ class MonitorCollector:
         yield xids
         yield CounterFamily("gpu_health_driver_events", "driver events of every kind seen",
                             value=m.events_seen)
+        yield GaugeFamily("gpu_health_gpus_missing",
+                          "GPUs missing from NVML: on the PCI bus but not listed, or short of the expected count "
+                          "(the node reason gpu-missing; 0 while every GPU is there)", value=m.gpus_missing)
         # A summary: cumulative count and sum, and quantiles over the recent window the monitor keeps.
         poll = Family("gpu_health_poll_duration_seconds", "time one health poll of every device took", "summary")
         recent = sorted(m.poll_durations[-200:])

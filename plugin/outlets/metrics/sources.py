@@ -50,6 +50,9 @@ class MonitorStats(LoopTimes, Protocol):
     @property
     def xids_seen(self) -> Mapping[tuple[str, int], int]: ...
 
+    @property
+    def gpus_missing(self) -> int: ...
+
 
 class KernelLogCounters(Protocol):
     """The kernel log reader's counters (``--kernel-log``), each dict keyed by a closed set of line kinds."""
