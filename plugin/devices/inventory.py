@@ -2,14 +2,17 @@
 behind, which NVML cannot report (it lists only the GPUs the driver brought up).
 
 A GPU is a PCI function of vendor 0x10de whose class is a display controller: VGA (0x0300xx) or 3D (0x0302xx).
-NVSwitches (bridges, 0x0680xx) and the GPUs' audio functions (0x0403xx) are not GPUs. The root is passed in
+NVSwitches (bridges, 0x0680xx) and the GPUs' audio functions (0x0403xx) are not GPUs. A GPU bound to another
+driver than ``nvidia`` (``vfio-pci``, passed through to a virtual machine) is not the driver's to list and is left
+out; one bound to no driver is ours (the driver's probe failed: RmInitAdapter). The root is passed in
 (``--sysfs-root``), so tests point it at a directory of their own. Each function's vendor and class are read once:
-a listing of the directory is what a poll costs.
+a listing of the directory and one link per GPU is what a poll costs.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from plugin.devices.kmsg import PciAddress, pci_address
@@ -43,11 +46,18 @@ class PciInventory:
             if name not in self._known:
                 self._known[name] = self._gpu_at(name)
             addr = self._known[name]
-            if addr is not None:
+            if addr is not None and self._ours(name):
                 out.add(addr)
         for gone in set(self._known) - set(names):
             del self._known[gone]  # hot-unplugged: read again if it comes back
         return tuple(sorted(out))
+
+    def _ours(self, name: str) -> bool:
+        try:
+            driver = os.path.basename(os.readlink(self.devices / name / "driver"))
+        except OSError:
+            return True  # bound to no driver: the nvidia driver's probe of it failed
+        return driver == "nvidia"
 
     def _gpu_at(self, name: str) -> PciAddress | None:
         try:

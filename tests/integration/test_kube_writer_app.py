@@ -176,3 +176,54 @@ def test_the_nodes_gpu_count_label_is_the_expected_count(short_socket_dir: Path,
         app.stop.set()
         app.shutdown()
         kubelet.stop()
+
+
+def test_an_idle_node_with_the_kernel_log_and_the_bus_watched_writes_and_logs_nothing(
+        short_socket_dir: Path, dev_root: Path, api: FakeApiServer, caplog: pytest.LogCaptureFixture) -> None:
+    """Every GPU on the bus and in NVML, the expected count met, a kernel log whose writer is there and silent: after
+    start, polls every tenth of a second write nothing to the API server, the state dir or the log."""
+    import logging
+    import os
+
+    from tests.unit.test_gpu_missing import bus
+
+    caplog.set_level(logging.DEBUG, "plugin")
+    sysfs = short_socket_dir / "sys"
+    bus(sysfs, 8)
+    kmsg = short_socket_dir / "kmsg"
+    os.mkfifo(kmsg)
+    node = NodeFile(short_socket_dir / "node.json")
+    kubelet = KubeletStandin(short_socket_dir / "dp")
+    kubelet.start()
+    cfg = make_config(short_socket_dir, node, dev_root, node_name=NODE, kubeconfig=api.kubeconfig(short_socket_dir),
+                      report_debounce=0.05, report_min_interval=0.05, sysfs_root=sysfs, expected_gpus=8,
+                      kernel_log=kmsg, node_condition=True)
+    app = App(cfg)
+    app.start()
+    writer = os.open(kmsg, os.O_WRONLY)  # waits for the plugin's reader to open it
+    try:
+        os.write(writer, b"6,0,1000,-;Linux version 6.8.0\n")
+        assert app.kernel_log is not None and app.kernel_log.wait_read(0)
+        assert api.wait_for(lambda: (api.nodes[NODE]["metadata"].get("annotations") or {}).get(f"{P}/state")
+                            == "Healthy")
+        assert api.wait_for(lambda: any(c["type"] == "GPUHealthy" for c in api.nodes[NODE]["status"]["conditions"]))
+        # Start-up is over once its writes have landed; from here on nothing may move.
+        assert not api.wait_for(lambda: False, timeout=0.5)
+        requests, logged = len(api.requests), len(caplog.records)
+        version, polls = app.state.snapshot().version, app.monitor.polls
+        state_files = {p.name: p.stat().st_mtime_ns for p in cfg.state_dir.iterdir() if p.suffix == ".json"}
+
+        def written() -> int:  # called under the server's lock: read the list without taking it again
+            return sum(1 for r in api.requests[requests:] if r.method != "GET")
+
+        assert not api.wait_for(lambda: written() > 0, timeout=6.0), api.requests[requests:]
+        assert app.monitor.polls - polls >= 20  # it really was polling (and reading the bus) all along
+        assert app.state.snapshot().version == version
+        assert [r.getMessage() for r in caplog.records[logged:]] == []
+        assert {p.name: p.stat().st_mtime_ns for p in cfg.state_dir.iterdir() if p.suffix == ".json"} == state_files
+        assert app.monitor.gpus_missing == 0 and app.kernel_log.stats.records == 1
+    finally:
+        os.close(writer)
+        app.stop.set()
+        app.shutdown()
+        kubelet.stop()

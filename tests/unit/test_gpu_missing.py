@@ -55,6 +55,18 @@ def test_the_inventory_lists_nvidia_display_controllers_only(tmp_path: Path) -> 
     assert inv.gpus() == ((0, 0x18, 0), (1, 0x3B, 0))
 
 
+def test_a_gpu_bound_to_another_driver_is_not_nvmls_to_list(tmp_path: Path) -> None:
+    bus(tmp_path, 3)
+    devices = tmp_path / "bus" / "pci" / "devices"
+    drivers = tmp_path / "bus" / "pci" / "drivers"
+    for d in ("nvidia", "vfio-pci"):
+        (drivers / d).mkdir(parents=True)
+    (devices / "0000:18:00.0" / "driver").symlink_to(drivers / "nvidia")
+    (devices / "0000:28:00.0" / "driver").symlink_to(drivers / "vfio-pci")  # passed through to a VM
+    # 0000:38:00.0 is bound to nothing: the driver's probe failed, so it is the one NVML should have had.
+    assert PciInventory(tmp_path).gpus() == ((0, 0x18, 0), (0, 0x38, 0))
+
+
 def test_an_unreadable_bus_is_unknown_said_once_not_empty(tmp_path: Path,
                                                            caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, "plugin.devices.inventory")
