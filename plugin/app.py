@@ -16,6 +16,7 @@ from plugin.config import Config, option
 from plugin.devices.backend import Backend, BackendError
 from plugin.devices.kmsg import PciAddress
 from plugin.devices.model import Discovery, Gpu, GpuEvent, Reading
+from plugin.health.busy import BusyWatch
 from plugin.health.monitor import Monitor
 from plugin.health.node_state import NodeState
 from plugin.health.store import StateStore
@@ -134,6 +135,24 @@ def make_correlator(cfg: Config, state: NodeState, resources: Sequence[Resource]
     return Correlator(state, settings, PodResourcesClient(cfg.pod_resources_socket), lambda: KubeClient(kubeconfig))
 
 
+def make_holders(cfg: Config, state: NodeState, resources: Sequence[Resource]) -> Callable[[Gpu], str]:
+    """Who holds a GPU ("" for nobody): the pods the kubelet's PodResources API lists, or in DRA mode the claims the
+    driver has prepared. A holder that cannot be asked answers that it cannot tell, which counts as held."""
+    if cfg.mode == "dra":
+        from plugin.dra.holders import PreparedClaimHolders
+        return PreparedClaimHolders(cfg.state_dir)
+    made: list[Callable[[Gpu], str]] = []
+
+    def ask(gpu: Gpu) -> str:
+        # Imported at the first question (a GPU busy for the grace period, or a recovery check): the PodResources
+        # client is the correlation outlet's, which a node with --correlate-on none never loads otherwise.
+        if not made:
+            from plugin.outlets.holders import PodResourcesHolders
+            made.append(PodResourcesHolders(cfg.pod_resources_socket, resources, state.snapshot))
+        return made[0](gpu)
+    return ask
+
+
 def make_recovery_checker(cfg: Config, state: NodeState, resources: Sequence[Resource], stop: threading.Event,
                           wake: Callable[[], None]) -> CommandRecoveryChecker | None:
     """The recovery check the config asks for, or None without --recovery-check. Never on a GPU a workload holds:
@@ -141,13 +160,7 @@ def make_recovery_checker(cfg: Config, state: NodeState, resources: Sequence[Res
     if not cfg.recovery_check:
         return None
     from plugin.health.recovery import CommandRecoveryChecker
-    busy: Callable[[Gpu], str]
-    if cfg.mode == "dra":
-        from plugin.dra.holders import PreparedClaimHolders
-        busy = PreparedClaimHolders(cfg.state_dir)
-    else:
-        from plugin.outlets.holders import PodResourcesHolders
-        busy = PodResourcesHolders(cfg.pod_resources_socket, resources, state.snapshot)
+    busy = make_holders(cfg, state, resources)
     # The lock in the state dir keeps one check at a time on the node even while two instances share it (handover).
     return CommandRecoveryChecker(cfg.recovery_check, cfg.recovery_check_timeout, busy, wake, stop,
                                   lock_file=cfg.state_dir / "recovery-check.lock")
@@ -203,11 +216,14 @@ class App:
         # the monitor (built next) when a result is ready.
         self.recovery = make_recovery_checker(cfg, self.state, self.resources, self.stop,
                                               lambda: self.monitor.request_poll())
+        # Who holds a GPU, for the busy-with-no-pod check (and the recovery check's own copy above).
+        busy = make_holders(cfg, self.state, self.resources) if cfg.busy_grace > 0 else None
         self.monitor = Monitor(self.backend, self.state, cfg.health, cfg.poll_interval, self.stop, self.store,
                                stall_s=cfg.stall_threshold, recovery=self.recovery,
                                boot_id=read_boot_id(cfg.boot_id_file, cfg.name_of("boot_id_file")),
                                inventory=make_inventory(cfg, self.backend),
-                               expected_gpus=cfg.expected_gpus or None)
+                               expected_gpus=cfg.expected_gpus or None, busy=busy,
+                               busy_watch=BusyWatch(cfg.busy_grace, cfg.busy_ignore) if busy is not None else None)
         alloc = AllocationConfig(dev_root=cfg.dev_root, cdi=cfg.cdi,
                                  allow_unhealthy=cfg.allow_unhealthy_allocation)
         # The kubelet side: the device-plugin supervisor, or in DRA mode the DRA driver with its ResourceSlice.

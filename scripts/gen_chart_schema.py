@@ -128,12 +128,21 @@ def _plugin_option(o: Option, hint: Any) -> Schema:
         return {"description": o.help, "anyOf": [
             {"type": "string", "pattern": _STATE_LIST_PATTERN},
             {"type": "array", "items": {"type": "string", "enum": [*_STATES, "none"]}}]}
+    if o.parse is plugin_options.process_names:
+        # A comma-separated string or a list of names, no paths or blanks in a name.
+        return {"description": o.help, "anyOf": [
+            {"type": "string", "pattern": r"^[^/\s]*(?:\s*,\s*[^/\s,]*)*$"},
+            {"type": "array", "items": {"type": "string", "pattern": r"^[^/\s]+$", "maxLength": 255}}]}
     if hint is int:
+        if o.parse is plugin_options.gpu_count:
+            return {**_typed(o.help, "integer"), "minimum": 0, "maximum": 1024}
         return _integer(o.help, 1) if o.parse is plugin_options.positive_int else _typed(o.help, "integer")
     if hint is float:
         s = _typed(o.help, "number")
         if o.parse is plugin_options.positive_float:
             s["exclusiveMinimum"] = 0
+        if o.parse is plugin_options.non_negative_float:
+            s["minimum"] = 0
         return s
     if hint in (str, Path, Path | None):
         return _string(o.help, minLength=1) if o.parse is options_table.path else _string(o.help)

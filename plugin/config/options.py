@@ -34,15 +34,26 @@ ConfigError = FieldError
 # Value parsers: each takes what a flag, a variable or the file gave and returns the field's value or raises
 # ValueError with the message the user sees after the option's name.
 
-def positive_float(v: Any) -> float:
+def _number(v: Any) -> float:
     if isinstance(v, bool):
         raise ValueError(f"expected a number, got {v!r}")
     try:
-        f = float(v)
+        return float(v)
     except (TypeError, ValueError):
         raise ValueError(f"expected a number, got {v!r}") from None
+
+
+def positive_float(v: Any) -> float:
+    f = _number(v)
     if not f > 0 or f != f or f == float("inf"):
         raise ValueError(f"must be a positive number, got {v!r}")
+    return f
+
+
+def non_negative_float(v: Any) -> float:
+    f = _number(v)
+    if not f >= 0 or f == float("inf"):
+        raise ValueError(f"must be 0 or a positive number, got {v!r}")
     return f
 
 
@@ -69,6 +80,21 @@ def gpu_count(v: Any) -> int:
     if not 0 <= n <= 1024:
         raise ValueError(f"expected a number of GPUs from 0 to 1024, got {v!r}")
     return n
+
+
+def process_names(v: Any) -> tuple[str, ...]:
+    """Process names, comma-separated (or a list in the file); an empty value is none."""
+    items = v if isinstance(v, (list, tuple)) else str(v).split(",")
+    out = []
+    for item in items:
+        if not isinstance(item, str):
+            raise ValueError(f"expected process names, got {item!r}")
+        name = item.strip()
+        if "/" in name or len(name) > 255 or any(c.isspace() for c in name):
+            raise ValueError(f"expected a process name (no path, no blanks), got {item!r}")
+        if name:
+            out.append(name)
+    return tuple(dict.fromkeys(out))
 
 
 def _resource(v: Any) -> str:
@@ -141,6 +167,11 @@ class Config:
     sysfs_root: Path = field(default=Path("/sys"), metadata=spec(
         path, "where sysfs is mounted: NVIDIA GPUs on its PCI bus that NVML does not list are the node reason "
         "gpu-missing (looked at with --backend nvml, or when this is set)", "DIR"))
+    busy_grace: float = field(default=300.0, metadata=spec(
+        non_negative_float, "seconds compute processes may run on a GPU no pod holds before it is Degraded "
+        "busy-unallocated (a leaked or orphaned job); 0 turns the check off", "SECONDS"))
+    busy_ignore: tuple[str, ...] = field(default=("nvidia-cuda-mps-server",), metadata=spec(
+        process_names, "process names that may run on a GPU no pod holds (comma-separated)", "NAMES"))
     handover: bool = field(default=False, metadata=spec(
         parse_bool, "when another instance holds the state dir (a surge rollout starts the new pod first), serve "
         "the kubelet next to it and take the state dir over once it exits, instead of refusing to start"))

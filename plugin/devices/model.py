@@ -46,6 +46,16 @@ class Gpu:
 
 
 @dataclass(frozen=True)
+class ComputeProcess:
+    """A process with a compute context on a GPU, as NVML lists it: its host PID, the GPU memory it holds (None
+    when NVML cannot say) and its name ("" when NVML cannot name it)."""
+
+    pid: int
+    used_mib: int | None = None
+    name: str = ""
+
+
+@dataclass(frozen=True)
 class Reading:
     """One poll of one GPU. ``None`` means the signal does not exist on this GPU (NVML NotSupported)."""
 
@@ -79,6 +89,8 @@ class Reading:
     fabric_health: str | None = None
     lost: bool = False
     reset_required: bool = False
+    # The processes computing on the GPU; None when not read (NotSupported, or a GPU in MIG mode).
+    compute_processes: tuple[ComputeProcess, ...] | None = None
     # Signals whose read failed with an NVML error other than NotSupported: (signal, message).
     errors: tuple[tuple[str, str], ...] = ()
 

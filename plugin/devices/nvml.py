@@ -29,7 +29,7 @@ from typing import Any
 
 from plugin.devices.backend import BackendError
 from plugin.devices.memory import NvmlMemory
-from plugin.devices.model import Discovery, EventKind, Gpu, GpuEvent, MigDevice, Reading
+from plugin.devices.model import ComputeProcess, Discovery, EventKind, Gpu, GpuEvent, MigDevice, Reading
 
 log = logging.getLogger(__name__)
 
@@ -498,7 +498,26 @@ class NvmlBackend:
             }),
             ("fields", "nvmlDeviceGetFieldValues", lambda: self._fields(uuid, h)),
             ("fabric", "nvmlDeviceGetGpuFabricInfoV", lambda: self._fabric(uuid, h)),
+            ("processes", "nvmlDeviceGetComputeRunningProcesses", lambda: self._processes(uuid, h)),
         ]
+
+    def _processes(self, uuid: str, h: Any) -> dict[str, Any]:
+        """The processes computing on the GPU, each named where NVML can; a GPU in MIG mode lists them per MIG
+        device, which this check does not read."""
+        if self._static.get(uuid, {}).get("mig_mode"):
+            raise _Absent("nvmlDeviceGetComputeRunningProcesses", "the GPU is in MIG mode")
+        out = []
+        for p in self._call("nvmlDeviceGetComputeRunningProcesses", h) or ():
+            pid = int(getattr(p, "pid", 0) or 0)
+            if pid <= 0:
+                continue
+            used = getattr(p, "usedGpuMemory", None)
+            name = self._safe("nvmlSystemGetProcessName", pid)
+            if isinstance(name, bytes):
+                name = name.decode("utf-8", "replace")
+            out.append(ComputeProcess(pid, int(used) // (1 << 20) if isinstance(used, int) else None,
+                                      str(name or "").rsplit("/", 1)[-1]))
+        return {"compute_processes": tuple(out)}
 
     def _ecc(self, uuid: str, h: Any) -> dict[str, Any]:
         if self._static.get(uuid, {}).get("ecc_mode") is False:

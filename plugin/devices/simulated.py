@@ -29,6 +29,7 @@ from plugin.devices.model import (
     CLOCK_EVENT_REASONS,
     FABRIC_HEALTH,
     RECOVERY_ACTIONS,
+    ComputeProcess,
     Discovery,
     EventKind,
     Gpu,
@@ -51,7 +52,7 @@ _BOOL_SIGNALS = ("row_remap_pending", "row_remap_failure", "retired_pages_pendin
 KNOWN_SIGNALS = frozenset(
     _INT_SIGNALS + _BOOL_SIGNALS
     + ("xid_events", "clock_event_reasons", "pcie_link", "nvlink_down", "recovery_action", "fabric_health",
-       "mig_events")
+       "mig_events", "compute_processes")
 )
 
 
@@ -145,6 +146,17 @@ def _validate_signals(signals: Any, where: str) -> dict[str, Any]:
                     raise NodeFileError(f"{where}.{name}: each entry needs exactly gpu_instance_id and xid")
                 _int(v["gpu_instance_id"], where, name)
                 _int(v["xid"], where, name)
+        elif key == "compute_processes":
+            if not isinstance(value, list):
+                raise NodeFileError(f"{where}.{name}: expected a list of {{pid, used_mib, name}} objects")
+            for v in value:
+                if not isinstance(v, dict) or "pid" not in v or set(v) - {"pid", "used_mib", "name"}:
+                    raise NodeFileError(f"{where}.{name}: each entry needs pid, and may have used_mib and name")
+                _int(v["pid"], where, f"{name}.pid", minimum=1)
+                if "used_mib" in v:
+                    _int(v["used_mib"], where, f"{name}.used_mib")
+                if not isinstance(v.get("name", ""), str):
+                    raise NodeFileError(f"{where}.{name}.name: expected a string")
         elif key == "clock_event_reasons":
             if not isinstance(value, list) or any(v not in CLOCK_EVENT_REASONS for v in value):
                 raise NodeFileError(f"{where}.{name}: expected a list of {', '.join(CLOCK_EVENT_REASONS)}")
@@ -401,6 +413,8 @@ class SimulatedBackend:
             recovery_action=sig.get("recovery_action", "none"),
             fabric_health=sig.get("fabric_health"),
             reset_required=sig.get("reset_required", False),
+            compute_processes=tuple(ComputeProcess(p["pid"], p.get("used_mib"), p.get("name", ""))
+                                    for p in sig.get("compute_processes", ())),
         )
 
     def wait_events(self, timeout_s: float) -> Sequence[GpuEvent]:

@@ -7,6 +7,7 @@ node state; neither blocks the other for longer than a verdict takes.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -17,6 +18,7 @@ from typing import Any
 from plugin.devices.backend import Backend
 from plugin.devices.kmsg import PciAddress, pci_address
 from plugin.devices.model import EventKind, EventOrigin, Gpu, GpuEvent, Reading
+from plugin.health.busy import BusyWatch
 from plugin.health.config import HealthConfig
 from plugin.health.node_state import DeviceStatus, NodeState, Transition
 from plugin.health.policy import Disposition, condition, inventory_condition
@@ -106,8 +108,13 @@ class Monitor:
                  stall_s: float | None = None, boot_id: str = "",
                  recovery: RecoveryChecker | None = None,
                  inventory: Callable[[], Sequence[PciAddress] | None] | None = None,
-                 expected_gpus: int | None = None) -> None:
+                 expected_gpus: int | None = None,
+                 busy: Callable[[Gpu], str] | None = None, busy_watch: BusyWatch | None = None) -> None:
         self.backend = backend
+        # GPUs busy with no pod: who holds a GPU ("" for nobody; the recovery check asks the same) and the watch
+        # that asks it only once a GPU has had processes for the grace period (health/busy.py). None: off.
+        self.busy = busy
+        self.busy_watch = busy_watch if busy is not None else None
         # What says a GPU is missing from NVML: the NVIDIA GPUs on the PCI bus (None: not looked at) and how many
         # GPUs the node should have (--expected-gpus, or its nvidia.com/gpu.count label: set_expected_gpus).
         self.inventory = inventory
@@ -372,6 +379,7 @@ class Monitor:
                 self._cycle_started = None
                 self._reading = None
         skipped = self._skipped_checks()
+        self._watch_busy(readings)  # before the lock: it may ask the kubelet, which can take a moment
         with self._lock:
             self._unavailable = skipped
             for g, _ in readings:
@@ -385,6 +393,8 @@ class Monitor:
                     if self.recovery is not None:
                         self.recovery.cancel(uuid)
                     self._shelve(self._trackers.pop(uuid))
+                    if self.busy_watch is not None:
+                        self.busy_watch.forget(uuid)
                     self._gone.add(uuid)
                     self._gpus.pop(uuid, None)
                     dirty = True
@@ -583,6 +593,21 @@ class Monitor:
                 return self._mig_trackers.get(key) or self._new_tracker(key)
         return self._trackers.get(uuid)  # an instance we do not advertise: charge the whole GPU
 
+    def _watch_busy(self, readings: Sequence[tuple[Gpu, Reading]]) -> None:
+        watch, busy = self.busy_watch, self.busy
+        if watch is None or busy is None:
+            return
+        now = self.clock()
+        for gpu, reading in readings:
+            if reading.lost:
+                continue  # a lost GPU lists nothing: its streak stands until it answers again
+            before = watch.reason(gpu.uuid)
+            after = watch.observe(gpu.uuid, reading.compute_processes, now, functools.partial(busy, gpu))
+            if after is not None and (before is None or before.message != after.message):
+                log.warning("device %s: %s: %s", gpu.uuid, after.code, after.message)
+            elif after is None and before is not None:
+                log.info("device %s: %s cleared", gpu.uuid, before.code)
+
     def set_expected_gpus(self, n: int | None) -> None:
         """How many GPUs the node should have, from the node's label when no --expected-gpus was given; judged at the
         next poll."""
@@ -616,7 +641,8 @@ class Monitor:
             since = tracker.since
             external = self._external.get(uuid.lower(), ())
             # The monitor's own findings (a hung read, checks the backend skips) ride along like another provider's.
-            found = tuple(r for r in (self._stalled.get(uuid), self._unavailable.get(uuid)) if r is not None)
+            busy = self.busy_watch.reason(uuid) if self.busy_watch is not None else None
+            found = tuple(r for r in (self._stalled.get(uuid), self._unavailable.get(uuid), busy) if r is not None)
             if found:
                 external = (*found, *external)
                 since = max(since, *(r.first_seen for r in found))

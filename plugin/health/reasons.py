@@ -289,6 +289,13 @@ REASONS: tuple[ReasonSpec, ...] = (
                "`clearAfterPolls` polls with every GPU there.",
                todo="Reboot the node (the fleet controller's `gpu-missing` rule does, after its grace period); a GPU "
                     "still missing after that: reseat or replace it (the message names its PCI address)."),
+    ReasonSpec("busy-unallocated", State.DEGRADED, Action.NONE, Source.POLL,
+               "Compute processes NVML lists on the GPU that no running container holds (the kubelet's PodResources "
+               "API; in DRA mode the prepared claims) for longer than `--busy-grace`: a leaked or orphaned job. The "
+               "message gives their count, names and memory. The preferred allocation avoids the GPU. A kubelet that "
+               "cannot be asked counts as holding it.",
+               todo="Find the processes (`nvidia-smi`, the names in the message) and stop them; a process that belongs "
+                    "there (the MPS server) goes into `--busy-ignore`."),
     ReasonSpec("gpu-unavailable", State.UNHEALTHY, Action.RESET_GPU, Source.EVENT,
                "The driver reports the GPU unavailable.",
                todo="Reset the GPU or reboot the node."),

@@ -43,6 +43,7 @@ DRIVER = "GpuHealthDriver"
 NVML = "GpuHealthNvml"
 FLAPPING = "GpuHealthFlapping"
 RECOVERY_CHECK = "GpuHealthRecoveryCheck"
+BUSY = "GpuHealthBusyUnallocated"
 
 # Every code of REASONS has a row here (tests/unit/test_nvsentinel_events.py fails on a new code without one), so a
 # new reason cannot go unmapped silently. The generic XID rows cover every XID number.
@@ -63,6 +64,7 @@ CHECKS: Mapping[str, str] = {
     "nvml-error": NVML,
     "flapping": FLAPPING,
     "recovery-check-failed": RECOVERY_CHECK, "recovery-check-pending": RECOVERY_CHECK,
+    "busy-unallocated": BUSY,
 }
 CHECK_NAMES: tuple[str, ...] = tuple(dict.fromkeys(CHECKS.values()))
 

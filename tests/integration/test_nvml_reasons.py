@@ -142,6 +142,10 @@ ROW = {r.id: r for r in ROWS}
 EXCLUDED: dict[str, str] = {
     "recovery-check-failed": "the recovery check's verdict, not NVML's (tests/unit/test_return_to_service.py)",
     "recovery-check-pending": "the recovery check's wait, not NVML's (tests/unit/test_return_to_service.py)",
+    "gpu-missing": "the node's, from the PCI bus and the expected count against NVML's list, on no GPU "
+                   "(tests/unit/test_gpu_missing.py; through the stand-in: tests/unit/test_busy_unallocated.py)",
+    "busy-unallocated": "NVML's processes against the pods holding the GPU: needs a holder as well "
+                        "(tests/unit/test_busy_unallocated.py, through the stand-in)",
 }
 
 

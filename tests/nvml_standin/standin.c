@@ -27,6 +27,7 @@
 
 #define ENV_NODE "GHDP_NVML_STANDIN_NODE"
 #define MAX_GPUS 64
+#define MAX_PROCS 32
 #define MAX_REG 1024
 #define MAX_LIST 512
 #define MAX_NAMES 32
@@ -141,6 +142,11 @@ typedef struct {
     unsigned recovery;
     unsigned fabric;
     int reset_required, lost, nvml_error;
+    int nproc; /* compute_processes */
+    unsigned proc_pid[MAX_PROCS];
+    unsigned long long proc_mib[MAX_PROCS];
+    int proc_has_mib[MAX_PROCS];
+    char proc_name[MAX_PROCS][64];
     /* per-GPU "nvml" object */
     overrides_t ov;
     int links_trained; /* -1: all */
@@ -588,6 +594,31 @@ static int parse_signals(perr_t *e, const jval *s, const char *where, gpu_conf_t
             g->mig_ev_xid[k] = (unsigned)xid;
         }
         g->nmig_ev = me->n;
+    }
+    const jval *cp = json_get(s, "compute_processes");
+    g->nproc = 0;
+    if (cp && cp->t != J_NULL) {
+        if (cp->t != J_ARR)
+            return perr(e, "%s.signals.compute_processes: expected a list", where);
+        if (cp->n > MAX_PROCS)
+            return perr(e, "%s.signals.compute_processes: at most %d entries", where, MAX_PROCS);
+        for (int k = 0; k < cp->n; k++) {
+            snprintf(w, sizeof w, "%s.signals.compute_processes[%d]", where, k);
+            const jval *p = cp->items[k];
+            if (p->t != J_OBJ || !json_get(p, "pid"))
+                return perr(e, "%s: expected an object with pid (used_mib, name optional)", w);
+            unsigned long long pid, mib;
+            if (opt_uint(e, p, "pid", w, 0, UINT_MAX, &pid) || opt_uint(e, p, "used_mib", w, 0, 1ull << 40, &mib))
+                return -1;
+            const jval *nm = json_get(p, "name");
+            if (nm && nm->t != J_STR)
+                return perr(e, "%s.name: expected a string", w);
+            g->proc_pid[k] = (unsigned)pid;
+            g->proc_mib[k] = mib;
+            g->proc_has_mib[k] = json_get(p, "used_mib") != NULL;
+            snprintf(g->proc_name[k], sizeof g->proc_name[k], "%s", nm ? nm->s : "");
+        }
+        g->nproc = cp->n;
     }
     snprintf(w, sizeof w, "%s.signals", where);
     if (opt_uint(e, s, "ecc_uncorrected_volatile", w, 0, ULLONG_MAX, &g->ecc_unc) ||
@@ -1761,7 +1792,41 @@ nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsign
     if (*infoCount > 0 && infos)
         TRY(check_ptr(fn_, "infos", infos, sizeof *infos * *infoCount));
     STATE(1);
-    *infoCount = 0;
+    if (dev_->is_mig) {
+        *infoCount = 0; /* the stand-in's processes run on whole GPUs */
+        RETURN(NVML_SUCCESS);
+    }
+    if (*infoCount < (unsigned)g->nproc || (g->nproc > 0 && !infos)) {
+        /* As the driver: the count needed, and INSUFFICIENT_SIZE; pynvml then asks again with room. */
+        *infoCount = (unsigned)g->nproc;
+        RETURN(NVML_ERROR_INSUFFICIENT_SIZE);
+    }
+    for (int k = 0; k < g->nproc; k++) {
+        memset(&infos[k], 0, sizeof infos[k]);
+        infos[k].pid = g->proc_pid[k];
+        infos[k].usedGpuMemory = g->proc_has_mib[k] ? g->proc_mib[k] << 20 : NVML_VALUE_NOT_AVAILABLE;
+        infos[k].gpuInstanceId = WHOLE;
+        infos[k].computeInstanceId = WHOLE;
+    }
+    *infoCount = (unsigned)g->nproc;
+    LEAVE;
+}
+
+nvmlReturn_t nvmlSystemGetProcessName(unsigned int pid, char *name, unsigned int length)
+{
+    ENTER("nvmlSystemGetProcessName");
+    TRY(check_ptr(fn_, "name", name, length ? length : 1));
+    SYSTEM();
+    ret = NVML_ERROR_NOT_FOUND;
+    for (int d = 0; d < g_ndevs && ret == NVML_ERROR_NOT_FOUND; d++) {
+        gpu_conf_t *c = g_devs[d]->is_mig || !g_devs[d]->present ? NULL : g_devs[d]->conf;
+        for (int k = 0; c && k < c->nproc; k++) {
+            if (c->proc_pid[k] == pid && c->proc_name[k][0]) {
+                ret = put_str(c->proc_name[k], name, length);
+                break;
+            }
+        }
+    }
     LEAVE;
 }
 

@@ -481,3 +481,17 @@ def test_backend_discovers_the_standin_node(node: StandinNode) -> None:
     assert gpus[0].pcie_switch == gpus[1].pcie_switch != gpus[2].pcie_switch
     assert gpus[5].numa_node == 1
     standin.reset_violations()
+
+
+def test_compute_processes_come_as_the_driver_gives_them(nv: Any, node: StandinNode) -> None:
+    """pynvml asks with no room first (INSUFFICIENT_SIZE and the count), then with room; a name is asked per PID."""
+    node.set(3, compute_processes=[{"pid": 4242, "used_mib": 2048, "name": "/opt/conda/bin/python3"}, {"pid": 77}])
+    node.nvml(None)  # rewrite: the stand-in reads the node file at the next call
+    h3 = handle(3)
+    procs = nv.nvmlDeviceGetComputeRunningProcesses(h3)
+    assert [(p.pid, p.usedGpuMemory) for p in procs] == [(4242, 2048 << 20), (77, None)]
+    assert nv.nvmlDeviceGetComputeRunningProcesses(handle(2)) == []
+    name = nv.nvmlSystemGetProcessName(4242)
+    assert (name.decode() if isinstance(name, bytes) else name) == "/opt/conda/bin/python3"
+    assert code(nv.nvmlSystemGetProcessName, 77) == nv.NVML_ERROR_NOT_FOUND  # no name given
+    assert code(nv.nvmlSystemGetProcessName, 999) == nv.NVML_ERROR_NOT_FOUND

@@ -19,7 +19,7 @@ from plugin.validation import FieldError, parse_bool
 # Both programs' variables as they were before the library: the rule must reproduce every one.
 AGENT_ENV = [f"GPU_HEALTH_{n}" for n in (
     "MODE", "BACKEND", "SIMULATED_NODE", "DEVICE_PLUGIN_DIR", "STATE_DIR", "BOOT_ID_FILE", "KERNEL_LOG",
-    "EXPECTED_GPUS", "SYSFS_ROOT", "HANDOVER",
+    "EXPECTED_GPUS", "SYSFS_ROOT", "BUSY_GRACE", "BUSY_IGNORE", "HANDOVER",
     "HEALTH_SOCKET", "DEV_ROOT",
     "RESOURCE_NAME", "MIG_STRATEGY", "CDI", "ALLOW_UNHEALTHY_ALLOCATION", "POLL_INTERVAL", "FAIL_ON_INIT_ERROR",
     "LOG_FORMAT", "LOG_LEVEL", "METRICS_ADDRESS", "STALL_THRESHOLD", "RECOVERY_CHECK", "RECOVERY_CHECK_TIMEOUT",

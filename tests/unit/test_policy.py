@@ -208,10 +208,11 @@ def test_every_policy_code_is_in_reasons_and_every_reason_row_is_reachable() -> 
     reached = {_spec(c) for _, c in EMITTED if c.code not in KNOWN_MISMATCH}
     # nvml-error and flapping come from the tracker (test_every_tracker_code_has_a_reasons_row), nvml-stalled from the
     # monitor (its stall watch, the backend's skipped checks: tests/unit/test_nvml_realpynvml.py), the recovery-check
-    # rows from the tracker's gate (tests/unit/test_return_to_service.py), not the policy.
+    # rows from the tracker's gate (tests/unit/test_return_to_service.py), busy-unallocated from the monitor's busy
+    # watch (tests/unit/test_busy_unallocated.py), not the policy.
     unreached = {s.code for s in REASONS if s not in reached} - {"nvml-error", "flapping", "nvml-stalled",
                                                                  "nvml-check-unavailable", "recovery-check-failed",
-                                                                 "recovery-check-pending"}
+                                                                 "recovery-check-pending", "busy-unallocated"}
     assert not unreached, f"REASONS rows no policy scenario produces: {sorted(unreached)}"
 
 

@@ -75,7 +75,8 @@ ROWS = (
 # Rows the tracker does not hold: the monitor makes them from what it sees itself, and each clears with its cause
 # (tests/unit/test_nvml_realpynvml.py, tests/unit/test_return_to_service.py for the operator's refusal).
 MONITOR_ROWS = {"nvml-stalled", "nvml-check-unavailable",
-                "gpu-missing"}  # the node's, no tracker's: tests/unit/test_gpu_missing.py raises and clears it
+                "gpu-missing",  # the node's, no tracker's: tests/unit/test_gpu_missing.py raises and clears it
+                "busy-unallocated"}  # the busy watch's: tests/unit/test_busy_unallocated.py
 # Rows with drivers of their own below.
 SPECIAL_ROWS = {"flapping", "recovery-check-failed", "recovery-check-pending"}
 
