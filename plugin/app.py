@@ -364,7 +364,8 @@ def make_kernel_log(cfg: Config, monitor: Monitor) -> KernelLog | None:
     if cfg.kernel_log is None:
         return None
     from plugin.devices.kernellog import KernelLog
-    return KernelLog(cfg.kernel_log, cfg.state_dir, monitor.boot_id, monitor.gpu_for_pci, monitor.handle_events)
+    return KernelLog(cfg.kernel_log, cfg.state_dir, monitor.boot_id, monitor.gpu_for_pci, monitor.handle_events,
+                     unknown_gpu=monitor.note_unknown_gpu)
 
 
 def make_device_api(cfg: Config, state: NodeState, monitor: Monitor) -> DeviceApi | None:

@@ -69,7 +69,10 @@ class KernelLog:
                  resolve: Callable[[PciAddress], str | None],
                  deliver: Callable[[Sequence[GpuEvent]], object],
                  clock: Callable[[], float] = time.time, uptime: Callable[[], float] = _uptime,
-                 retry_s: float = 30.0, file_poll_s: float = 1.0) -> None:
+                 retry_s: float = 30.0, file_poll_s: float = 1.0,
+                 unknown_gpu: Callable[[PciAddress, str], None] | None = None) -> None:
+        # Told of a GPU's line (not an NVSwitch's) at an address where NVML has no GPU: the monitor's gpu-missing.
+        self._unknown_gpu = unknown_gpu
         self.path = path
         self.boot_id = boot_id
         self._resolve = resolve
@@ -295,6 +298,8 @@ class KernelLog:
                 self._said.add(key)
                 log.warning("kernel log: %s at PCI %s, which no GPU NVML sees has (record %d): %s", d.kind.value,
                             pci_text(d.pci), rec.seq, rec.message[:200])
+            if d.kind != LineKind.SXID and self._unknown_gpu is not None:
+                self._unknown_gpu(d.pci, d.kind.value)
             return
         if d.kind == LineKind.XID:
             kind, code = EventKind.XID, d.code

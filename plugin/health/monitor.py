@@ -120,6 +120,7 @@ class Monitor:
         self.inventory = inventory
         self.expected_gpus = expected_gpus
         self._missing = _NodeReason(cfg.clear_after_polls)
+        self._logged_missing: dict[PciAddress, str] = {}  # GPUs the kernel log named that NVML does not list
         self.gpus_missing = 0  # for /metrics: GPUs the last poll found missing (0 when none, or not looked at)
         # The node's boot: latches carry it, and one from another boot that a reboot mends clears at a clean read.
         self.boot_id = boot_id
@@ -616,15 +617,27 @@ class Monitor:
             self.expected_gpus = n
             self.request_poll()
 
+    def note_unknown_gpu(self, pci: PciAddress, what: str) -> None:
+        """The kernel log names a GPU at ``pci`` that NVML does not list (a line the driver wrote about it: an
+        RmInitAdapter failure, an XID): evidence of a GPU missing from NVML, as the PCI bus would be. Kept in
+        memory until NVML lists a GPU there; judged at the next poll."""
+        if pci not in self._logged_missing:
+            self._logged_missing[pci] = what
+            self.request_poll()
+
     def _check_inventory(self, gpus: Sequence[Gpu], now: float) -> None:
-        if self.inventory is None and self.expected_gpus is None:
-            return
-        on_bus = self.inventory() if self.inventory is not None else None
         in_nvml = [a for g in gpus if (a := pci_address(g.pci_bus_id)) is not None]
-        c = inventory_condition(on_bus, in_nvml, len(gpus), self.expected_gpus, self.cfg)
+        for a in in_nvml:
+            self._logged_missing.pop(a, None)  # NVML lists a GPU there (now): the log's word is old news
+        if self.inventory is None and self.expected_gpus is None and not self._logged_missing \
+                and self._missing.reason is None:
+            return  # nothing to look at, and nothing raised that a clean look would have to take off
+        on_bus = self.inventory() if self.inventory is not None else None
+        logged = dict(self._logged_missing)
+        c = inventory_condition(on_bus, in_nvml, len(gpus), self.expected_gpus, self.cfg, logged)
         before = self._missing.reason
         self._missing.observe(c, now)
-        self.gpus_missing = max(len(set(on_bus or ()) - set(in_nvml)),
+        self.gpus_missing = max(len((set(on_bus or ()) | set(logged)) - set(in_nvml)),
                                 (self.expected_gpus or 0) - len(gpus), 0) if c is not None else 0
         after = self._missing.reason
         if after is not None and (before is None or before.message != after.message):

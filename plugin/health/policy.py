@@ -6,7 +6,7 @@ class can be overridden from the config file's ``health`` section.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from enum import StrEnum
 
 from plugin.devices.kmsg import PciAddress, pci_text
@@ -147,15 +147,22 @@ def evaluate_reading(reading: Reading, previous: Reading | None, cfg: HealthConf
 
 
 def inventory_condition(on_bus: Iterable[PciAddress] | None, in_nvml: Iterable[PciAddress], nvml_count: int,
-                        expected: int | None, cfg: HealthConfig) -> Condition | None:
-    """The node's ``gpu-missing``, if the bus or the expected count says a GPU is missing from NVML: GPUs on the bus
-    (None: the bus could not be read) that NVML does not list, and NVML's count against ``expected``."""
+                        expected: int | None, cfg: HealthConfig,
+                        logged: Mapping[PciAddress, str] | None = None) -> Condition | None:
+    """The node's ``gpu-missing``, if the bus, the kernel log or the expected count says a GPU is missing from NVML:
+    GPUs on the bus (None: the bus could not be read) that NVML does not list, GPUs the kernel log wrote about
+    (``logged``: address -> the kind of line) that NVML does not list, and NVML's count against ``expected``."""
     parts = []
-    missing = sorted(set(on_bus) - set(in_nvml)) if on_bus is not None else []
+    seen = set(in_nvml)
+    missing = sorted(set(on_bus) - seen) if on_bus is not None else []
     if missing:
         shown = ", ".join(pci_text(a) for a in missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8
                                                                  else "")
         parts.append(f"{len(missing)} GPU{'' if len(missing) == 1 else 's'} on the PCI bus not seen by NVML: {shown}")
+    named = sorted(a for a in (logged or {}) if a not in seen and a not in missing)
+    if named:
+        parts.append("the kernel log names " + ", ".join(f"{pci_text(a)} ({(logged or {})[a]})" for a in named[:8])
+                     + (f" and {len(named) - 8} more" if len(named) > 8 else "") + ", which NVML does not list")
     if expected is not None and nvml_count < expected:
         parts.append(f"NVML sees {nvml_count} of the {expected} GPUs expected")
     if not parts:

@@ -75,7 +75,8 @@ class Node:
                                StateStore(self.state_dir), clock=lambda: NOW, boot_id=self.boot)
         self.monitor.poll_once()
         self.reader = KernelLog(self.log_path, self.state_dir, self.boot, self.monitor.gpu_for_pci, self.deliver,
-                                clock=lambda: NOW, uptime=lambda: UPTIME, retry_s=0.05, file_poll_s=0.05)
+                                clock=lambda: NOW, uptime=lambda: UPTIME, retry_s=0.05, file_poll_s=0.05,
+                                unknown_gpu=self.monitor.note_unknown_gpu)
         self.reader.start()
 
     def deliver(self, events: list[GpuEvent]) -> None:
@@ -155,6 +156,18 @@ def test_fallen_off_the_bus_is_xid_79_and_an_init_failure_for_no_gpu_is_counted_
     assert node.kl.stats.unmatched == {"xid": 0, "fell-off-bus": 0, "init-failed": 2, "sxid": 1}
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 2 and "init-failed at PCI 0000:5e:00.0" in said[0] and "sxid at PCI 0000:c6:00.0" in said[1]
+
+
+def test_a_gpu_the_kernel_log_names_and_nvml_does_not_list_is_the_nodes_gpu_missing(node: Node) -> None:
+    node.write(rec(0, "NVRM: GPU 0000:5e:00.0: RmInitAdapter failed! (0x26:0x56:1474)")
+               + rec(1, "nvidia-nvswitch3: SXid (PCI:0000:c6:00.0): 24007, Fatal, Link 32 sourcetrack timeout"))
+    assert node.kl.wait_read(1)
+    node.monitor.poll_once()
+    node.monitor.poll_once()  # two polls, as for the bus
+    [r] = node.state.snapshot().node_reasons
+    assert r.code == "gpu-missing"
+    assert r.message == "the kernel log names 0000:5e:00.0 (init-failed), which NVML does not list"  # no SXid
+    assert [d.state for d in node.state.snapshot().devices] == [State.HEALTHY, State.HEALTHY]
 
 
 def test_an_init_failure_of_a_gpu_nvml_lists_makes_it_unavailable(node: Node) -> None:

@@ -196,3 +196,17 @@ def test_the_annotations_condition_and_decoder_carry_the_nodes_reason(tmp_path: 
     patch = merge_patch(ann, after, P)
     assert patch[f"{P}/node"] is None and after[f"{P}/state"] == "Healthy"
     assert desired_condition(n.state.snapshot(), "GPUHealthy").status == "True"
+
+
+def test_a_gpu_the_kernel_log_named_is_missing_until_nvml_lists_one_there(tmp_path: Path) -> None:
+    n = Node(tmp_path, gpus_in_nvml=1, on_bus=1)
+    n.monitor.inventory = None  # the bus cannot be read here: the log's word is all there is
+    n.monitor.note_unknown_gpu((0, 0x28, 0), "init-failed")
+    n.poll()
+    n.poll()
+    assert [r.message for r in n.state.snapshot().node_reasons] == [
+        "the kernel log names 0000:28:00.0 (init-failed), which NVML does not list"]
+    n.write(2)  # a driver reload brought it up: NVML lists a GPU at that address
+    for _ in range(3):
+        n.poll()
+    assert n.codes() == [] and n.monitor.gpus_missing == 0
