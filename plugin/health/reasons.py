@@ -283,9 +283,10 @@ REASONS: tuple[ReasonSpec, ...] = (
     ReasonSpec("gpu-missing", State.UNHEALTHY, Action.REBOOT_NODE, Source.POLL,
                "The node's, not a device's: an NVIDIA GPU on the PCI bus, bound to the nvidia driver or to none, that "
                "NVML does not list (it fell off the bus or never initialised: RmInitAdapter; one bound to vfio-pci "
-               "is a VM's and left out), a GPU the kernel log (`--kernel-log`) writes about at an address NVML does not "
-               "list, or fewer GPUs in NVML than `--expected-gpus` or the node's `nvidia.com/gpu.count` label. The GPUs that are "
-               "there keep their own states; the node is short of one. Seen in two polls in a row; clears after "
+               "is a VM's and left out), a GPU the kernel log (`--kernel-log`) writes about at an address NVML "
+               "does not list, or fewer GPUs in NVML than `--expected-gpus` or the node's `nvidia.com/gpu.count` "
+               "label. The GPUs that are there keep their own states; the node is short of one. Seen in two polls "
+               "in a row; clears after "
                "`clearAfterPolls` polls with every GPU there.",
                todo="Reboot the node (the fleet controller's `gpu-missing` rule does, after its grace period); a GPU "
                     "still missing after that: reseat or replace it (the message names its PCI address)."),
