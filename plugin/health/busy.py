@@ -86,7 +86,7 @@ def _condition(procs: list[ComputeProcess], held_for_s: float) -> Condition:
     names = ", ".join(sorted({p.name or f"pid {p.pid}" for p in procs})[:5])
     memory = f" using {sum(used)} MiB" if used else ""
     n = len(procs)
-    message = (f"{n} process{'' if n == 1 else 'es'} ({names}){memory} on a GPU no pod holds, for over "
-               f"{max(1, round(held_for_s / 60))} min")
+    held = f"{held_for_s / 60:.0f} min" if held_for_s >= 60 else f"{held_for_s:.1f} s"
+    message = f"{n} process{'' if n == 1 else 'es'} ({names}){memory} on a GPU no pod holds, for {held}"
     return Condition(CODE, spec.severity, message, Source.POLL, spec.action)
 
