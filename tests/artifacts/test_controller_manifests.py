@@ -377,7 +377,8 @@ def test_config_file_is_v1_with_the_documented_defaults(rendered: dict[str, list
     doc = yaml.safe_load(find(rendered["controller"], "ConfigMap", f"{NAME}-config")["data"]["config.yaml"])
     assert doc == {
         "version": "v1",
-        "policy": {"unhealthyDevices": 1, "unhealthyFraction": 0, "rebootRequired": True, "capacityGap": 1},
+        "policy": {"unhealthyDevices": 1, "unhealthyFraction": 0, "rebootRequired": True, "gpuMissing": True,
+                   "gpuMissingGrace": "10m", "capacityGap": 1},
         "quarantine": {"noExecuteAfter": 0, "cordon": False, "label": "", "writeConcurrency": 4},
         "drain": {"enabled": False, "evictionsPerMinute": 10},
         "release": {"recoveryHold": "10m", "repeatLimit": 5, "repeatWindow": "168h"},
