@@ -66,7 +66,8 @@ def test_status_and_watch_cli(env: Env) -> None:
     doc = json.loads(r.stdout)
     dev = {d["id"]: d for d in doc["devices"]}[env.node.uuids[4]]
     assert dev["state"] == "Unhealthy" and dev["since"].endswith("Z")
-    assert dev["reasons"] == [{"code": "nvlink-down", "message": "NVLink down: link 2", "action": "reset-gpu"}]
+    assert dev["reasons"] == [{"code": "nvlink-down", "message": "NVLink down: link 2", "action": "reset-gpu",
+                              "source": "poll"}]
     table = subprocess.run([sys.executable, "-m", "plugin", "status", "--health-socket", sock],
                            capture_output=True, text=True, timeout=30)
     assert "nvlink-down (reset-gpu)" in table.stdout and table.stdout.startswith("ID")
