@@ -108,6 +108,10 @@ class KernelLog:
             os.write(self._wake_w, b"x")
         except OSError:
             pass
+        try:  # a reader waiting in a FIFO's open for a writer: be that writer for a moment
+            os.close(os.open(self.path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC))
+        except OSError:
+            pass  # no FIFO, or nobody waiting on it
         if self._thread is not None:
             self._thread.join(timeout)
         for fd in (self._wake_r, self._wake_w):
@@ -160,7 +164,7 @@ class KernelLog:
     def _run(self) -> None:
         while not self._stopping.is_set():
             try:
-                fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+                fd = self._open()
             except OSError as exc:
                 self.stats.readable = False
                 if not self._unreadable_said:
@@ -187,6 +191,19 @@ class KernelLog:
                 self._sleep(self._retry_s)
             finally:
                 os.close(fd)
+
+    def _open(self) -> int:
+        """A FIFO is opened blocking, which waits for a writer (the relay): opened non-blocking with none, every
+        read would be an end of file at once, and the reader would spin. Then it is read non-blocking like the
+        rest. ``close`` wakes a wait here by opening the FIFO for writing itself."""
+        try:
+            fifo = stat.S_ISFIFO(os.stat(self.path).st_mode)
+        except OSError:
+            fifo = False
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | (0 if fifo else os.O_NONBLOCK))
+        if fifo:
+            os.set_blocking(fd, False)
+        return fd
 
     def _sleep(self, seconds: float) -> None:
         select.select([self._wake_r], [], [], seconds)
