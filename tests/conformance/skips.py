@@ -5,21 +5,25 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
 from scripts.gobuild import GoBuildError, GoToolchainMissing, build, find_go
 
 
+def skip_or_fail(message: str) -> NoReturn:
+    """A missing prerequisite: a skip, except with CI=true, where it fails."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(message + "; CI=true, so this is a failure", pytrace=False)
+    pytest.skip(message)
+
+
 def require_go_or_skip(reason_prefix: str = "Go toolchain") -> str:
     """The `go` path; skips when missing, fails instead when CI=true."""
     go = find_go()
     if go is None:
-        message = f"{reason_prefix} not found (install Go >= 1.24 or put `go` on PATH)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message + "; CI=true, so this is a failure", pytrace=False)
-        pytest.skip(message)
+        skip_or_fail(f"{reason_prefix} not found (install Go >= 1.24 or put `go` on PATH)")
     return go
 
 
