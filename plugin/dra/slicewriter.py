@@ -82,11 +82,18 @@ class SliceWriter(PacedWriter[SliceWriterStatus, SliceApi], OutletThread):
     def __init__(self, state: NodeState, settings: SliceSettings, client_factory: Callable[[], SliceApi],
                  debounce_s: float = 1.0, min_interval_s: float = 10.0, resync_s: float = 600.0,
                  backoff_max_s: float = 300.0, clock: Callable[[], float] = time.monotonic, *,
-                 backoff_initial_s: float = 1.0, rng: random.Random | None = None) -> None:
+                 backoff_initial_s: float = 1.0, rng: random.Random | None = None,
+                 recheck_window_s: float = 180.0, recheck_every_s: float = 10.0) -> None:
         OutletThread.__init__(self, state, clock, version=0, thread_name="slice-writer", label=LABEL, log=log)
         self.settings = settings
         self.name = slice_name(settings)
         self._resync_s = resync_s
+        # A starting kubelet deletes the node's slices from a goroutine that first waits for its Node, retrying
+        # 1, 2, 4, ... s, so the delete may land minutes after it took us and after our re-read: for a while after
+        # each registration the slice is read again every few seconds (a GET each), then once a resync again.
+        self._recheck_window_s = recheck_window_s
+        self._recheck_every_s = recheck_every_s
+        self._recheck_until = -math.inf
         self._backoff = Backoff(backoff_initial_s, backoff_max_s, rng=rng or random.Random())
         PacedWriter.__init__(self, SliceWriterStatus(taints_published=settings.taints),
                              WriteScheduler(debounce_s, min_interval_s, self._backoff, clock()), client_factory,
@@ -121,6 +128,7 @@ class SliceWriter(PacedWriter[SliceWriterStatus, SliceApi], OutletThread):
         if self._resync.is_set():
             self._resync.clear()
             self._need_read = True
+            self._recheck_until = now + self._recheck_window_s
         snap = self.state.snapshot()
         if snap.version == 0:
             return math.inf  # nothing published yet: writing now would empty the pool of a restarting node
@@ -179,7 +187,7 @@ class SliceWriter(PacedWriter[SliceWriterStatus, SliceApi], OutletThread):
             return False
         self._current = current
         self._need_read = False
-        self._next_resync = now + self._resync_s
+        self._next_resync = now + (self._recheck_every_s if now < self._recheck_until else self._resync_s)
         self._update(reads=self.status().reads + 1)
         if not self._not_served_logged:  # a GET answers while the API is not served: nothing recovered yet
             self._recovered()

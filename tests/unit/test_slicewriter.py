@@ -367,6 +367,28 @@ def test_resync_now_rereads_at_the_next_step() -> None:
     assert h.server.calls == [("get", 404), ("get_node", 200), ("create", 201)]
 
 
+def test_a_kubelet_that_wipes_the_slices_after_it_took_us_gets_the_slice_back_within_seconds() -> None:
+    # A starting kubelet deletes the node's ResourceSlices from a goroutine of its own that first waits for its
+    # Node (retrying 1, 2, 4, ... s): the delete can land well after our registration and our re-read, which then
+    # found the old slice still there. Found by CI (story 23: the slice never came back).
+    h = started()
+    h.writer.resync_now()
+    h.for_(1)
+    assert h.server.calls == [("get", 200)]
+    for late in (3, 40, 100):
+        h.server.calls.clear()
+        del h.server.slices[NAME]
+        h.for_(late)
+        assert NAME not in h.server.slices or h.server.writes() == [("create", 201)]
+        h.for_(12)  # the next re-read (every 10 s) and the debounce
+        assert NAME in h.server.slices, f"a wipe {late} s later"
+    # Past the watchful minutes after a registration, an unchanged node is back to one GET a resync.
+    h.for_(200)
+    h.server.calls.clear()
+    h.for_(1200)
+    assert h.server.calls == [("get", 200)] * 2
+
+
 def test_the_thread_wakes_for_resync_now_stops_leaving_the_slice_and_delete_slice_removes_it() -> None:
     server = FakeSliceServer()
     state = NodeState()
