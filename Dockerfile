@@ -18,13 +18,14 @@ RUN apt-get update \
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY api ./api
 COPY plugin ./plugin
 RUN python3 -m venv /opt/venv \
  && /opt/venv/bin/pip wheel --no-deps --wheel-dir /wheels . \
  && /opt/venv/bin/pip install --only-binary=:all: /wheels/*.whl \
- && /opt/venv/bin/gpu-health-plugin --help > /dev/null
+ && /opt/venv/bin/gpu-health-plugin --help > /dev/null \
+ && /opt/venv/bin/gpu-health-plugin --version
 
 # Stage 2: the runtime. Debian's python3 and the venv; no pip cache, no sources, no build tools.
 FROM ${BASE_IMAGE}

@@ -1,3 +1,2 @@
 """gpu-health-device-plugin: a Kubernetes device plugin for NVIDIA GPUs with fine-grained health."""
 
-__version__ = "0.1.0"

@@ -23,7 +23,7 @@ from plugin.health.store import StateStore
 from plugin.kubelet.allocation import AllocationConfig
 from plugin.kubelet.sharing import build_resources
 from plugin.kubelet.supervisor import Supervisor
-from plugin.outlets.health_api import HealthServer
+from plugin.outlets.health_api import HealthServer, Registration
 from plugin.sharing.model import profiles_of
 from plugin.startup import StartupError, check_paths, claim_state_dir, read_boot_id
 
@@ -63,6 +63,9 @@ class UnavailableBackend:
         return ()
 
     def watch(self, on_change: Callable[[], None]) -> None:
+        pass
+
+    def unwatch(self) -> None:
         pass
 
     def close(self) -> None:
@@ -241,7 +244,8 @@ class App:
         self.health_server = HealthServer(
             cfg.health_socket_path, self.state,
             outlet_errors=self.kube_reporter.outlet_errors if self.kube_reporter is not None else dict,
-            clearer=self.monitor)  # the operator's `gpu-health-plugin clear`: the monitor owns the latches
+            clearer=self.monitor,  # the operator's `gpu-health-plugin clear`: the monitor owns the latches
+            registration=(cfg.mode, self._registration))  # `status` says whether the kubelet has our GPUs
         # Health events to NVSentinel; None without --nvsentinel-socket.
         self.nvsentinel = make_nvsentinel_sender(cfg, self.state)
         # Pods on failing devices (PodResources -> Events, annotations, evictions); None with --correlate-on none.
@@ -256,6 +260,12 @@ class App:
                                                   self.device_api, self.kernel_log)
         # False while a successor waits for the state dir (start(active=False)); shutdown stops only what started.
         self.active = False
+
+    def _registration(self) -> Registration:
+        if self.supervisor is not None:
+            return self.supervisor.record
+        assert self.dra is not None  # one of the two, by mode
+        return self.dra.record
 
     def start(self, active: bool = True) -> None:
         """Start serving. Not ``active``: a successor (``--handover``) while another instance still holds the state
@@ -424,15 +434,19 @@ def _nvml(backend: Backend) -> NvmlBackend | None:
 
 
 def run(cfg: Config) -> int:
-    """The plugin process: raises StartupError (and the backend's errors) when it cannot start."""
+    """The plugin process: raises StartupError (and the backend's errors) when it cannot start. Returns 0 after
+    SIGTERM (the kubelet's stop), 130 after SIGINT (Ctrl-C, as a shell reports it)."""
     log.info("effective config: %s", json.dumps(cfg.effective(), sort_keys=True))
     lock = claim_state_dir(cfg)
     try:
         check_paths(cfg)
         app = App(cfg)
+        received: list[int] = []
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
-            log.info("received %s, shutting down", signal.Signals(signum).name)
+            if not received:  # a second Ctrl-C while stopping changes nothing, so it says nothing
+                log.info("received %s, shutting down", signal.Signals(signum).name)
+            received.append(signum)
             app.stop.set()
 
         # Handlers only set the stop event; the main thread does the shutdown work.
@@ -456,6 +470,8 @@ def run(cfg: Config) -> int:
                 log.warning("clean-up after the failed start: %s", exc)
             raise
         app.shutdown()
+        if received[:1] == [signal.SIGINT]:
+            return 130  # Ctrl-C at a terminal: the line that said so is the one line it gets
         log.info("stopped")
         return 0
     finally:

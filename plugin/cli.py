@@ -1,26 +1,33 @@
-"""Command line: ``run`` (the default), ``demo``, ``status``, ``watch``, ``clear``, ``inspect`` and
-``simulated-node``."""
+"""Command line: ``run`` (the default), ``demo``, ``status``, ``watch``, ``clear``, ``inspect``,
+``simulated-node``, ``kernel-log-relay`` and ``migrate-config``."""
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import difflib
 import json
 import logging
 import math
 import os
+import shutil
 import signal
 import sys
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from plugin import config as config_mod
+from plugin.config import nvidia
 from plugin.options.flags import add_arguments
 from plugin.options.sources import config_path
+from plugin.version import VersionAction
 
-SUBCOMMANDS = ("run", "demo", "status", "watch", "clear", "inspect", "simulated-node", "kernel-log-relay")
+SUBCOMMANDS = ("run", "demo", "status", "watch", "clear", "inspect", "simulated-node", "kernel-log-relay",
+               "migrate-config")
 EXIT_CONFIG = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command ended by Ctrl-C
 
 
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
@@ -29,15 +36,16 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     add_arguments(p, config_mod.OPTIONS)
 
 
-def _health_socket_arg(p: argparse.ArgumentParser) -> None:
+def _health_socket_arg(p: argparse.ArgumentParser, outputs: tuple[str, ...] = ("table", "json")) -> None:
     sock, state = config_mod.option("health_socket"), config_mod.option("state_dir")
     p.add_argument("--health-socket", type=Path, default=None, metavar="PATH",
                    help=f"the plugin's health API socket (env {sock.env}; default: health.sock in the state dir)")
     p.add_argument("--state-dir", type=Path, default=None, metavar="DIR",
                    help=f"the plugin's state dir, where health.sock lives unless --health-socket or {sock.env} "
                         f"says otherwise (env {state.env}; default {state.default})")
-    p.add_argument("--output", "-o", choices=("table", "json"), default="table",
-                   help="output format: %(choices)s (default %(default)s)")
+    p.add_argument("--output", "-o", choices=outputs, default="table",
+                   help="output format: %(choices)s (default %(default)s)"
+                        + ("; table fits the terminal's width, wide never cuts a line" if "wide" in outputs else ""))
 
 
 def _note(v: str) -> str:
@@ -86,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="gpu-health-plugin",
         description="Kubernetes device plugin for NVIDIA GPUs with fine-grained health. "
                     "Without a subcommand, 'run' is assumed.")
+    parser.add_argument("--version", action=VersionAction)
     sub = parser.add_subparsers(dest="command")
     run = sub.add_parser("run", help="serve the device plugin (the DaemonSet's job)")
     _add_run_flags(run)
@@ -94,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="seconds of scripted faults, a positive number (default 20)")
     demo.add_argument("--plain", action="store_true", help="print updates line by line instead of redrawing")
     status = sub.add_parser("status", help="print every device's state and reasons from a running plugin")
-    _health_socket_arg(status)
+    _health_socket_arg(status, ("table", "wide", "json"))
     watch = sub.add_parser("watch", help="stream transitions from a running plugin, one line each")
     _health_socket_arg(watch)
     watch.add_argument("--since", type=_non_negative, default=0, metavar="SEQ",
@@ -132,22 +141,52 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "file for --backend simulated --simulated-node")
     node.add_argument("--write", type=Path, required=True, metavar="FILE", help="where to write it")
     node.add_argument("--force", action="store_true", help="replace FILE if it exists")
+    migrate = sub.add_parser("migrate-config", help="print NVIDIA's device plugin config file as ours, or its Helm "
+                                                    "values as our chart's; what cannot carry over is named on "
+                                                    "stderr and the exit is 3 (docs/deploy.md)")
+    migrate.add_argument("file", type=Path, metavar="FILE", help="NVIDIA's config file or Helm values file")
+    for each in sub.choices.values():
+        # An unknown flag is answered with the usage of the subcommand it was given to, not the top level's.
+        each.set_defaults(command_parser=each)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
-    if not args_list or (args_list[0] not in SUBCOMMANDS and args_list[0] not in ("-h", "--help")):
+    if args_list and not args_list[0].startswith("-") and args_list[0] not in SUBCOMMANDS:
+        # Only a flag means the default "run": a bare word is a subcommand, and a mistyped one is said as such
+        # rather than refused as an argument of run.
+        print(f"gpu-health-plugin: {_unknown_subcommand(args_list[0])}", file=sys.stderr)
+        return EXIT_CONFIG
+    # The top-level flags stay the top parser's: "run --version" would be an unknown flag of run.
+    if not args_list or (args_list[0] not in SUBCOMMANDS and args_list[0] not in ("-h", "--help", "--version")):
         args_list.insert(0, "run")
-    args = build_parser().parse_args(args_list)
+    env: Mapping[str, str] = os.environ
+    if args_list[0] == "run":
+        # NVIDIA's flags and variables become ours (or are refused) before argparse sees them: it knows only ours.
+        try:
+            adopted = nvidia.adopt(args_list[1:], os.environ)
+        except config_mod.ConfigError as exc:
+            print(f"gpu-health-plugin: invalid configuration: {exc}", file=sys.stderr)
+            return EXIT_CONFIG
+        for note in adopted.notes:
+            print(f"gpu-health-plugin: warning: {note}", file=sys.stderr)
+        args_list, env = ["run", *adopted.argv], adopted.env
+    args, extra = build_parser().parse_known_args(args_list)
+    if extra:
+        args.command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "clear" and (not args.device) == (not args.all):
         args.clear_parser.error("name one DEVICE or --all" if not args.device
                                 else "DEVICE and --all: name one, not both")
-    if args.command == "run":
-        return _run(args)
-    if args.command == "demo":
-        from plugin.devtools.demo import run_demo
-        return run_demo(duration_s=args.duration, plain=args.plain or not sys.stdout.isatty())
+    if args.command in ("run", "demo"):
+        try:
+            return _run(args, env) if args.command == "run" else _demo(args)
+        except KeyboardInterrupt:
+            # Ctrl-C before the signal handlers were in place (while starting): one line, not a traceback.
+            print(f"gpu-health-plugin {args.command}: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+    if args.command == "migrate-config":
+        return _migrate_config(args.file)
     if args.command in ("status", "watch", "clear"):
         try:
             rc = _client(args)
@@ -168,6 +207,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "inspect":
         return _inspect(args)
     return 1
+
+
+def _unknown_subcommand(word: str) -> str:
+    close = difflib.get_close_matches(word, SUBCOMMANDS, n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else f" (one of: {', '.join(SUBCOMMANDS)})"
+    return f"unknown subcommand '{word}'{hint}"
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from plugin.devtools.demo import run_demo
+    return run_demo(duration_s=args.duration, plain=args.plain or not sys.stdout.isatty())
 
 
 def _relay(source: Path, fifo: Path) -> int:
@@ -249,13 +299,29 @@ def _write_simulated_node(path: Path, force: bool) -> int:
     return 0
 
 
-def _run(args: argparse.Namespace) -> int:
+def _migrate_config(path: Path) -> int:
+    from plugin.config.migrate import EXIT_PARTIAL, migrate, render
+
+    try:
+        m = migrate(path, "migrate-config")
+    except config_mod.ConfigError as exc:
+        print(f"gpu-health-plugin: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    sys.stdout.write(render(m))
+    for line in m.dropped:
+        print(f"gpu-health-plugin migrate-config: {line}", file=sys.stderr)
+    for line in m.lost:
+        print(f"gpu-health-plugin migrate-config: not carried over: {line}", file=sys.stderr)
+    return EXIT_PARTIAL if m.lost else 0
+
+
+def _run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     from plugin import logs
 
     flags = {o.name: getattr(args, o.name) for o in config_mod.OPTIONS}
     try:
-        config_file, config_label = config_path(args.config, os.environ, "--config", "GPU_HEALTH_CONFIG")
-        cfg = config_mod.load(flags, os.environ, config_file, config_label)
+        config_file, config_label = config_path(args.config, env, "--config", "GPU_HEALTH_CONFIG")
+        cfg = config_mod.load(flags, env, config_file, config_label)
     except config_mod.ConfigError as exc:
         print(f"gpu-health-plugin: invalid configuration: {exc}", file=sys.stderr)
         return EXIT_CONFIG
@@ -313,7 +379,13 @@ def _ts(t: float) -> str:
 
 
 def _reasons(rs: Any) -> list[dict[str, str]]:
-    return [{"code": r.code, "message": r.message, "action": r.action, "source": r.source} for r in rs]
+    return [{"code": r.code, "message": r.message, "action": r.action, "source": r.source,
+             "severity": r.severity} for r in rs]
+
+
+def _why(rs: Any) -> str:
+    """Each reason with its message and the action it asks for, spelt out: a bare "(none)" read as missing data."""
+    return "; ".join(f"{r.code}: {r.message or '-'} (action: {r.action or '-'})" for r in rs) or "-"
 
 
 def _transition_json(t: Any) -> dict[str, Any]:
@@ -325,7 +397,7 @@ def _transition_json(t: Any) -> dict[str, Any]:
 
 
 def _transition_line(t: Any) -> str:
-    why = "; ".join(f"{r.code}: {r.message}" for r in t.reasons) or "-"
+    why = _why(t.reasons)
     line = f"#{t.seq} {_ts(t.time)} {t.id} {t.from_state} -> {t.to_state}  {why}"
     return f"{line}  [{t.note}]" if t.note else line
 
@@ -356,7 +428,12 @@ def _client(args: argparse.Namespace) -> int:
                   "(is it running?)", file=sys.stderr)
             return 1
         if args.command == "status":
-            _print_status(resp, args.output)
+            print(format_status(resp, args.output, _status_width(args.output)))
+            if args.output != "json":
+                # On stderr, as watch's greeting is: stdout stays the table a script reads row by row. After the
+                # table is out, so `status | head -1` stays quiet.
+                sys.stdout.flush()
+                print("\n".join(status_notes(resp)), file=sys.stderr)
             return 0
         # On stderr, so stdout carries only transitions in either output format.
         print(f"gpu-health-plugin: connected to the plugin at {path} ({len(resp.devices)} devices, last transition "
@@ -424,23 +501,87 @@ def _cleared_json(d: Any) -> dict[str, str]:
     return {"text": d.cleared, "at": _ts(d.cleared_at)}
 
 
-def _print_status(resp: Any, output: str) -> None:
+def _status_width(output: str) -> int | None:
+    """The width a table is wrapped to: the terminal's ($COLUMNS first, as shutil has it) for ``table``; none for
+    ``wide``, nor when stdout is a pipe or a file, where a script reads whole lines."""
+    if output != "table" or not sys.stdout.isatty():
+        return None
+    return shutil.get_terminal_size().columns
+
+
+REASONS_MIN = 30  # columns the reasons need beside a row to stay readable; with fewer they go under it
+
+
+def _wrapped(prefix: str, reasons: list[str], width: int | None) -> list[str]:
+    """A row: its columns, then its reasons joined, or within ``width`` each reason wrapped on lines of its own,
+    beside the row where there is room, else indented under it. Every line after the first starts with a space, so
+    a script that reads rows by their first column skips them."""
+    reasons = reasons or ["-"]
+    if width is None or len(prefix) + len("; ".join(reasons)) <= width:
+        return [prefix + "; ".join(reasons)]
+    room = width - len(prefix)
+    beside = room >= REASONS_MIN
+    parts = [p for r in reasons
+             for p in textwrap.wrap(r, room if beside else max(width - 4, REASONS_MIN), break_on_hyphens=False)]
+    if beside:
+        return [prefix + parts[0], *(" " * len(prefix) + p for p in parts[1:])]
+    return [prefix.rstrip(), *("    " + p for p in parts)]
+
+
+def _kubelet_line(resp: Any) -> str:
+    if not resp.HasField("kubelet"):
+        return "kubelet: registration not reported (the plugin predates it)"
+    k = resp.kubelet
+    if k.registered:
+        return (f"kubelet: registered ({k.mode}, {k.registrations} registration{'' if k.registrations == 1 else 's'}, "
+                f"last at {_ts(k.last_registered_at)})")
+    return f"kubelet: NOT registered ({k.mode}): {k.last_error or 'not yet'}"
+
+
+def _kubelet_json(resp: Any) -> dict[str, Any] | None:
+    if not resp.HasField("kubelet"):
+        return None
+    k = resp.kubelet
+    return {"mode": k.mode, "registered": k.registered, "registrations": k.registrations,
+            "last_registered_at": _ts(k.last_registered_at), "last_error": k.last_error}
+
+
+def _action(d: Any) -> str:
+    # The worst reason's, as the annotations say it: the plugin sends reasons worst first.
+    return str(d.reasons[0].action) if d.reasons else "none"
+
+
+def format_status(resp: Any, output: str, width: int | None = None) -> str:
+    """``status`` on stdout: a JSON document, or the table (one row per device, its clearance indented under it),
+    the reasons wrapped to ``width`` when one is given; ``wide`` adds each reason's action. The table's notes are
+    ``status_notes``."""
     if output == "json":
         devices = []
         for d in resp.devices:
-            doc = {"id": d.id, "state": d.state, "reasons": _reasons(d.reasons), "since": _ts(d.since)}
+            doc = {"id": d.id, "index": d.index, "name": d.name, "state": d.state, "kubelet_health": d.kubelet_health,
+                   "action": _action(d), "reasons": _reasons(d.reasons), "since": _ts(d.since)}
             if d.cleared:  # the latest clearance, while it is recent
                 doc["cleared"] = _cleared_json(d)
             devices.append(doc)
-        print(json.dumps({"devices": devices}, indent=2))
-        return
-    rows = [("ID", "IDX", "STATE", "KUBELET", "SINCE", "REASONS")]
+        return json.dumps({"devices": devices, "kubelet": _kubelet_json(resp),
+                           "outlet_errors": dict(sorted(resp.outlet_errors.items()))}, indent=2)
+    header = ("ID", "IDX", "STATE", "KUBELET", "SINCE", "ACTION")
+    rows: list[tuple[tuple[str, ...], list[str], Any]] = [(header, ["REASONS"], None)]
     for d in resp.devices:
-        why = "; ".join(f"{r.code} ({r.action})" for r in d.reasons) or "-"
-        rows.append((d.id, str(d.index), d.state, d.kubelet_health, _ts(d.since), why))
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    for r, d in zip(rows, [None, *resp.devices], strict=True):
-        print("  ".join(c.ljust(w) for c, w in zip(r[:5], widths, strict=False)) + "  " + r[5])
+        # Wide adds each reason's own action: a second reason may ask for less than the device's ACTION.
+        why = [_why([r]) if output == "wide" else f"{r.code}: {r.message or '-'}" for r in d.reasons]
+        rows.append(((d.id, str(d.index), d.state, d.kubelet_health, _ts(d.since), _action(d)), why, d))
+    widths = [max(len(cols[i]) for cols, _, _ in rows) for i in range(len(header))]
+    lines: list[str] = []
+    for cols, why, d in rows:
+        prefix = "  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)) + "  "
+        lines += _wrapped(prefix, why, width if d is not None else None)
         if d is not None and d.cleared:
             # Under its device, indented: the columns stay what a script cuts, the clearance stays readable.
-            print(f"    {d.cleared} at {_ts(d.cleared_at)}")
+            lines += _wrapped("    ", [f"{d.cleared} at {_ts(d.cleared_at)}"], width)
+    return "\n".join(lines)
+
+
+def status_notes(resp: Any) -> list[str]:
+    """What the table's rows do not say: the kubelet registration, then each outlet that is failing now."""
+    return [_kubelet_line(resp), *(f"outlet {name} failing: {err}" for name, err in sorted(resp.outlet_errors.items()))]

@@ -28,6 +28,7 @@ from plugin.health.reasons import State
 from plugin.kube.names import DEFAULT_PREFIX
 from plugin.schema.annotations import DeviceEntry, decode
 from plugin.validation import check_prefix, is_dns_subdomain
+from plugin.version import VersionAction
 
 STATES = tuple(s.value for s in State)
 
@@ -45,12 +46,19 @@ def _kubectl_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kubectl gpu-health",
+    # No abbreviated flags, as kubectl has none: --all must stay an error here (it is fleet's), not --all-nodes.
+    p = argparse.ArgumentParser(prog="kubectl gpu-health", allow_abbrev=False,
                                 description="GPU device health of every node, from the plugin's node annotations.",
                                 epilog="kubectl gpu-health fleet: the nodes the fleet controller quarantined and its "
                                        "circuit breaker (see kubectl gpu-health fleet --help).")
-    p.add_argument("--node", "-n", action="append", default=[], metavar="NAME",
-                   help="only nodes matching this name or glob (repeatable)")
+    p.add_argument("--node", action="append", default=[], metavar="NAME",
+                   help="only nodes matching this name or glob (repeatable); one that matches no node is an error")
+    # -n is kubectl's --namespace everywhere; nodes have none, so it is taken and ignored as `kubectl get nodes`
+    # does, and said, since -n once meant --node here.
+    p.add_argument("--namespace", "-n", default=None, metavar="NS",
+                   help="accepted for kubectl's sake and ignored: nodes are not namespaced (--node picks nodes)")
+    p.add_argument("--all-nodes", action="store_true",
+                   help="also name the nodes with neither our annotations nor GPU capacity (left out by default)")
     p.add_argument("--state", "-s", action="append", default=[], metavar="STATE",
                    help=f"only devices in these states (repeatable or comma-separated: {', '.join(STATES)})")
     p.add_argument("--output", "-o", choices=("table", "json"), default="table")
@@ -59,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     _kubectl_args(p)
     p.add_argument("--from-file", type=Path, default=None, metavar="FILE",
                    help="read a node list (kubectl get nodes -o json) from FILE ('-' for stdin) instead")
+    p.add_argument("--version", action=VersionAction)
     return p
 
 
@@ -68,7 +77,7 @@ def build_fleet_parser() -> argparse.ArgumentParser:
                                             "circuit breaker, from the nodes and the controller's Lease.",
                                 epilog="kubectl gpu-health fleet release NODE --note TEXT: release a repeat "
                                        "offender (see kubectl gpu-health fleet release --help).")
-    p.add_argument("--namespace", default=fleetview.DEFAULT_NAMESPACE,
+    p.add_argument("--namespace", "-n", default=fleetview.DEFAULT_NAMESPACE,
                    help=f"namespace of the controller's Lease (default {fleetview.DEFAULT_NAMESPACE})")
     p.add_argument("--lease", default=fleetview.DEFAULT_LEASE,
                    help=f"name of the controller's Lease (default {fleetview.DEFAULT_LEASE})")
@@ -165,24 +174,44 @@ def _nodes(args: argparse.Namespace, selector: str = "") -> list[dict[str, Any]]
     return [n for n in items if isinstance(n, dict) and n.get("kind", "Node") == "Node"]
 
 
+UNNAMED = "<no name>"  # a saved node list may hold a Node without metadata.name: never an empty column
+
+
+def has_gpu_capacity(node: dict[str, Any]) -> bool:
+    """Whether the node advertises any NVIDIA resource (nvidia.com/gpu, a MIG or shared resource) above zero."""
+    status = node.get("status")
+    capacity = status.get("capacity") if isinstance(status, dict) else None
+    if not isinstance(capacity, dict):
+        return False
+    return any(str(k).startswith("nvidia.com/") and str(v).strip() not in ("", "0") for k, v in capacity.items())
+
+
 def collect(nodes: list[dict[str, Any]], prefix: str, node_globs: Sequence[str], states: set[str],
-            unreadable: list[str] | None = None) -> tuple[list[DeviceEntry], list[str]]:
-    """Matching device entries, and the matching nodes that carry no annotations of ours. ``unreadable`` gets one
-    line per value past the codec's bounds (left out of the entries)."""
+            unreadable: list[str] | None = None, all_nodes: bool = False,
+            unmatched: list[str] | None = None) -> tuple[list[DeviceEntry], list[str]]:
+    """Matching device entries, and the matching nodes that carry no annotations of ours: only those with GPU
+    capacity (a GPU node whose agent is not reporting) unless ``all_nodes``. ``unreadable`` gets one line per value
+    past the codec's bounds (left out of the entries), ``unmatched`` each of ``node_globs`` that matched no node."""
     entries: list[DeviceEntry] = []
     silent: list[str] = []
+    matched: set[str] = set()
     for n in sorted(nodes, key=lambda n: str(n.get("metadata", {}).get("name", ""))):
         meta = n.get("metadata", {})
-        name = str(meta.get("name", ""))
-        if node_globs and not any(fnmatch.fnmatchcase(name, g) for g in node_globs):
+        name = str(meta.get("name") or "") or UNNAMED
+        hits = {g for g in node_globs if fnmatch.fnmatchcase(name, g)}
+        if node_globs and not hits:
             continue
+        matched |= hits
         agent = decode(meta.get("annotations") or {}, prefix, name)
         if unreadable is not None:
             unreadable += [f"{name}: {prefix}/{u.key}: {u.why}" for u in agent.unreadable]
         if not agent.annotated:
-            silent.append(name)
+            if all_nodes or has_gpu_capacity(n):
+                silent.append(name)
             continue
         entries += [e for e in agent.devices if e.state and (not states or e.state in states)]
+    if unmatched is not None:
+        unmatched += [g for g in node_globs if g not in matched]
     return entries, silent
 
 
@@ -312,17 +341,38 @@ def fleet_main(argv: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    words = list(sys.argv[1:] if argv is None else argv)
+    try:
+        rc = _main(list(sys.argv[1:] if argv is None else argv))
+        sys.stdout.flush()  # a reader gone away is seen here, not in the interpreter's final flush
+        return rc
+    except BrokenPipeError:
+        # `kubectl gpu-health | head -1`: the reader took what it wanted, which is success. fd 1 goes to /dev/null
+        # so the interpreter's own flush at exit cannot fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _main(words: list[str]) -> int:
     if words[:1] == ["fleet"]:
         return fleet_main(words[1:])
     args = build_parser().parse_args(words)
+    if args.namespace is not None:
+        print(f"kubectl gpu-health: -n/--namespace {args.namespace} ignored: nodes are not namespaced "
+              "(--node NAME picks nodes)", file=sys.stderr)
     try:
         prefix = check_prefix(args.prefix)
         states = _states(args.state)
         unreadable: list[str] = []
-        entries, silent = collect(_nodes(args, args.selector), prefix, args.node, states, unreadable)
+        unmatched: list[str] = []
+        entries, silent = collect(_nodes(args, args.selector), prefix, args.node, states, unreadable,
+                                  all_nodes=args.all_nodes, unmatched=unmatched)
     except (ValueError, RuntimeError, OSError) as exc:
         print(f"kubectl gpu-health: {exc}", file=sys.stderr)
+        return 1
+    if unmatched:
+        # A mistyped node name is not "no faults": say so, and fail, before anything reads like an answer.
+        print(f"kubectl gpu-health: no node matches --node {', '.join(unmatched)}"
+              f"{' (and -l ' + args.selector + ')' if args.selector else ''}", file=sys.stderr)
         return 1
     for line in unreadable:
         print(f"kubectl gpu-health: left out, not what an agent writes: {line}", file=sys.stderr)
@@ -334,7 +384,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print("No matching GPU devices." if not silent else "No matching GPU devices with health annotations.")
     if silent and not states:
-        print(f"\n{len(silent)} node(s) without {prefix} annotations: {', '.join(silent[:10])}"
+        gpu = "" if args.all_nodes else " but with GPU capacity (is the agent running there?)"
+        print(f"\n{len(silent)} node(s) without {prefix} annotations{gpu}: {', '.join(silent[:10])}"
               f"{' ...' if len(silent) > 10 else ''}", file=sys.stderr)
     return 0
 

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from plugin.config.migrate import nvidia_format_error
 from plugin.config.options import OPTIONS, Config, ConfigError
 from plugin.health.config import parse_health
 from plugin.options.sources import File, read_file, resolve
@@ -21,11 +22,15 @@ FILE_SECTIONS = ("health", "sharing")  # parsed beside their types; the plugin s
 def load(flags: Mapping[str, Any], env: Mapping[str, str], file: Path | None,
          file_label: str = "--config") -> Config:
     """Merge the three sources (flags > env > file > defaults) and validate every value."""
-    doc = (read_file(Path(os.path.abspath(file)), file_label, OPTIONS, CONFIG_VERSION, FILE_SECTIONS)
-           if file is not None else File())
+    path = Path(os.path.abspath(file)) if file is not None else None
+    try:
+        doc = read_file(path, file_label, OPTIONS, CONFIG_VERSION, FILE_SECTIONS) if path is not None else File()
+        health = parse_health(doc.free.get("health"))
+        sharing = parse_sharing(doc.free.get("sharing"))
+    except ConfigError as exc:
+        # NVIDIA's format fails on its first key of theirs ("flags: unknown key"); say what the file is instead.
+        raise (nvidia_format_error(path, file_label) if path is not None else None) or exc from None
     r = resolve(OPTIONS, flags, env, doc.values)
-    health = parse_health(doc.free.get("health"))
-    sharing = parse_sharing(doc.free.get("sharing"))
     validate_sharing(sharing, r.values["resource_name"], r.values["mig_strategy"])
     cfg = Config(**r.values, health=health, sharing=sharing, source=r.source, set_by=r.set_by)
     if cfg.backend != "simulated" and cfg.simulated_node is not None:

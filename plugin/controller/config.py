@@ -35,6 +35,7 @@ from plugin.validation import (
     is_qualified_name,
     parse_bool,
 )
+from plugin.version import VersionAction
 
 __all__ = ["CONFIG_VERSION", "ENV_PREFIX", "EXIT_CONFIG", "OPTIONS", "PROG", "ControllerConfig", "FieldError",
            "build_parser", "load", "option", "options_table", "parse_or_exit"]
@@ -315,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
                                   "environment variable and a key in the config file; flags > environment > file > "
                                   "defaults.")
     add_arguments(p, OPTIONS, show_file=True)
+    p.add_argument("--version", action=VersionAction)
     return p
 
 

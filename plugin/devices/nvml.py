@@ -726,6 +726,9 @@ class NvmlBackend:
     def watch(self, on_change: Callable[[], None]) -> None:
         pass  # NVML has no change notification beyond events; the poller covers the rest
 
+    def unwatch(self) -> None:
+        pass
+
     def close(self) -> None:
         """Free the event set and shut NVML down; never under a wait in progress. If the event thread is waiting
         now, it does both when its wait returns (within the wait's timeout), so close() itself never blocks on the

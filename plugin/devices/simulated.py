@@ -439,8 +439,11 @@ class SimulatedBackend:
         observer.start()
         self._observer = observer
 
-    def close(self) -> None:
+    def unwatch(self) -> None:
         if self._observer is not None:
             self._observer.stop()
             self._observer.join(timeout=2)
             self._observer = None
+
+    def close(self) -> None:
+        self.unwatch()

@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import grpc
@@ -30,6 +32,10 @@ COLORS = {"Healthy": "\x1b[32m", "Degraded": "\x1b[33m", "Unhealthy": "\x1b[31m"
 RESET = "\x1b[0m"
 
 
+class Interrupted(Exception):
+    """Ctrl-C: the script stops where it is and the demo shuts down in order."""
+
+
 def _write_atomic(path: Path, doc: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(doc, indent=1))
@@ -41,7 +47,10 @@ class Demo:
         self.root = root
         self.plain = plain
         self.duration_s = duration_s
-        self.node_file = root / "node.json"
+        # In a directory of its own: the backend watches the file's directory, and the state dir's writes (the
+        # last one while everything stops) are no change of the node.
+        self.node_file = root / "node" / "node.json"
+        self.node_file.parent.mkdir()
         self.node = builtin_node()
         _write_atomic(self.node_file, self.node)
         dev = root / "host" / "dev"
@@ -64,6 +73,7 @@ class Demo:
         # the kubelet, which is not the state the demo ends in).
         self._draw_lock = threading.Lock()
         self._live = False
+        self.interrupted = threading.Event()  # set by run_demo's SIGINT handler
         self.uuids = [g["uuid"] for g in self.node["gpus"]]
 
     def say(self, msg: str) -> None:
@@ -118,15 +128,48 @@ class Demo:
         deadline = time.monotonic() + timeout
         version = -1
         while not (ok := predicate()) and time.monotonic() < deadline:
+            self._check_interrupt()
             version = self.app.state.wait_for_change(version, 0.05).version
         if not ok:
             self.say(f"!! timed out waiting for {what}")
         return ok
 
+    def _check_interrupt(self) -> None:
+        if self.interrupted.is_set():
+            raise Interrupted
+
+    def _pause(self, seconds: float) -> None:
+        if self.interrupted.wait(seconds):
+            raise Interrupted
+
     def run(self) -> int:
+        """0 when every step behaved, 1 when one did not, 130 when interrupted (nothing more printed but one line on
+        stderr)."""
         self.kubelet.on_update = self.draw
         self.kubelet.start()
         self.app.start()
+        try:
+            ok = self._script()
+        except Interrupted:
+            with self._draw_lock:
+                self._live = False  # the shutdown's frames are not the demo's
+            self._stop()
+            print("gpu-health-plugin demo: interrupted", file=sys.stderr, flush=True)
+            return 130
+        # The last frame (or table) is the state the script ended in, drawn before shutdown begins.
+        self.draw(final=True)
+        if self.plain:
+            print("\n" + self.render(), flush=True)
+        self._stop()
+        print("\ndemo finished: " + ("every step behaved as expected" if ok else "SOME STEPS FAILED"))
+        return 0 if ok else 1
+
+    def _stop(self) -> None:
+        self.app.stop.set()
+        self.app.shutdown()
+        self.kubelet.stop()
+
+    def _script(self) -> bool:
         # The kubelet sees our devices inside its Register call, a moment before the plugin records the round.
         ok = self.wait("registration", lambda: self.kubelet.capacity() == (8, 8) and self._registrations() == 1)
         # The view goes live with the registration already in its events, so no frame shows a registered plugin
@@ -161,7 +204,7 @@ class Demo:
              lambda: self.kubelet.capacity() == (8, 7)),
         ]
         for text, act, done in script:
-            time.sleep(step)
+            self._pause(step)
             self.say(text)
             act()
             ok = self.wait(text, done) and ok
@@ -172,16 +215,8 @@ class Demo:
             ok = False
         except grpc.RpcError as exc:
             self.say(f"Allocate(GPU 5) -> {exc.code().name}: {exc.details()}")
-        time.sleep(step / 2)
-        # The last frame (or table) is the state the script ended in, drawn before shutdown begins.
-        self.draw(final=True)
-        if self.plain:
-            print("\n" + self.render(), flush=True)
-        self.app.stop.set()
-        self.app.shutdown()
-        self.kubelet.stop()
-        print("\ndemo finished: " + ("every step behaved as expected" if ok else "SOME STEPS FAILED"))
-        return 0 if ok else 1
+        self._pause(step / 2)
+        return ok
 
     def _registrations(self) -> int:
         return self.supervisor.record.registrations
@@ -194,4 +229,13 @@ class Demo:
 def run_demo(duration_s: float = 20.0, plain: bool = False) -> int:
     logging.basicConfig(level=logging.ERROR)
     with tempfile.TemporaryDirectory(prefix="gpu-health-demo-") as tmp:
-        return Demo(Path(tmp), duration_s, plain).run()
+        demo = Demo(Path(tmp), duration_s, plain)
+
+        def on_sigint(signum: int, frame: FrameType | None) -> None:
+            demo.interrupted.set()  # only this: the script sees it at its next wait and stops in order
+
+        previous = signal.signal(signal.SIGINT, on_sigint)
+        try:
+            return demo.run()
+        finally:
+            signal.signal(signal.SIGINT, previous)

@@ -199,6 +199,9 @@ class Monitor:
 
     def join(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
+        # The backend's watcher feeds this monitor: it ends first, before the threads it wakes and before the final
+        # write, whose files may sit where it watches (a watchdog observer stopped with an event in flight logs it).
+        self.backend.unwatch()
         self._poll_now.set()  # the poller may be mid-interval; wake it to see the stop event
         with self._cycle_lock:
             self._cycle_lock.notify_all()

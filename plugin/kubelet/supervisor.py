@@ -287,16 +287,17 @@ class Supervisor:
         self.stop.set()
         with self._cond:
             self._cond.notify_all()
+        # The observer feeds the loop: it ends first, before the loop and before the servers' sockets are removed
+        # from the directory it watches (a watchdog observer stopped with an event in flight logs it).
         if self._observer is not None:
             self._observer.stop()
+            self._observer.join(1.0)
         if self._thread is not None:
             self._thread.join(timeout_s)
         with self._cond:
             servers, self.servers = self.servers, []
         for s in servers:
             s.stop(grace_s=0.2)
-        if self._observer is not None:
-            self._observer.join(1.0)
 
     # The loop -----------------------------------------------------------------------------------------------------
 

@@ -37,9 +37,31 @@ def status_pb(d: DeviceStatus) -> health_pb2.DeviceStatus:
                                    cleared=c.text if c is not None else "", cleared_at=c.time if c is not None else 0.0)
 
 
-def snapshot_pb(snap: Snapshot, outlet_errors: Mapping[str, str] | None = None) -> health_pb2.ListResponse:
+class Registration(Protocol):
+    """The kubelet registration record as the health API shows it: the supervisor's, or DRA mode's."""
+
+    @property
+    def registered(self) -> bool: ...
+
+    @property
+    def registrations(self) -> int: ...
+
+    @property
+    def last_registered_at(self) -> float: ...
+
+    @property
+    def last_error(self) -> str: ...
+
+
+def kubelet_pb(mode: str, rec: Registration) -> health_pb2.KubeletRegistration:
+    return health_pb2.KubeletRegistration(mode=mode, registered=rec.registered, registrations=rec.registrations,
+                                          last_registered_at=rec.last_registered_at, last_error=rec.last_error)
+
+
+def snapshot_pb(snap: Snapshot, outlet_errors: Mapping[str, str] | None = None,
+                kubelet: health_pb2.KubeletRegistration | None = None) -> health_pb2.ListResponse:
     return health_pb2.ListResponse(devices=[status_pb(d) for d in snap.devices], seq=snap.seq,
-                                   outlet_errors=dict(outlet_errors or {}))
+                                   outlet_errors=dict(outlet_errors or {}), kubelet=kubelet)
 
 
 def transition_pb(t: Transition) -> health_pb2.Transition:
@@ -114,20 +136,28 @@ def _names(d: DeviceStatus, device: str) -> bool:
 
 class HealthServicer(health_pb2_grpc.DeviceHealthServicer):
     def __init__(self, state: NodeState, outlet_errors: Callable[[], Mapping[str, str]] = dict,
-                 clearer: Clearer | None = None) -> None:
+                 clearer: Clearer | None = None,
+                 registration: tuple[str, Callable[[], Registration]] | None = None) -> None:
         self.state = state
         # The monitor, which owns the latches; None where nothing may be cleared (a servicer over a bare state).
         self.clearer = clearer
         self.closed = threading.Event()
         # Failing outlets (e.g. the API-server writer) by name, shown in List and Watch snapshots; read at each one.
         self.outlet_errors = outlet_errors
+        # The mode and the kubelet registration record, read at each snapshot; None over a bare state (no kubelet
+        # side), which leaves the field unset as an older plugin does.
+        self.registration = registration
+
+    def _snapshot(self, snap: Snapshot) -> health_pb2.ListResponse:
+        reg = self.registration
+        return snapshot_pb(snap, self.outlet_errors(), kubelet_pb(reg[0], reg[1]()) if reg is not None else None)
 
     def close(self) -> None:
         self.closed.set()
         self.state.poke()
 
     def List(self, request: health_pb2.ListRequest, context: grpc.ServicerContext) -> health_pb2.ListResponse:
-        return snapshot_pb(self.state.snapshot(), self.outlet_errors())
+        return self._snapshot(self.state.snapshot())
 
     def Watch(self, request: health_pb2.WatchRequest,
               context: grpc.ServicerContext) -> Iterator[health_pb2.WatchEvent]:
@@ -137,7 +167,7 @@ class HealthServicer(health_pb2_grpc.DeviceHealthServicer):
         missed = self.state.transitions_since(seq) if seq > 0 else None
         if missed is None:
             # A fresh client, or one whose resume point fell out of the bounded history: start from a snapshot.
-            yield health_pb2.WatchEvent(snapshot=snapshot_pb(start, self.outlet_errors()), resync=seq > 0)
+            yield health_pb2.WatchEvent(snapshot=self._snapshot(start), resync=seq > 0)
             seq = start.seq
         else:
             for t in missed:
@@ -146,7 +176,7 @@ class HealthServicer(health_pb2_grpc.DeviceHealthServicer):
         for snap in self.state.follow(start.version, lambda: left.is_set() or self.closed.is_set()):
             news = self.state.transitions_since(seq)
             if news is None:  # this client fell behind the history: hand it a fresh snapshot
-                yield health_pb2.WatchEvent(snapshot=snapshot_pb(snap, self.outlet_errors()), resync=True)
+                yield health_pb2.WatchEvent(snapshot=self._snapshot(snap), resync=True)
                 seq = snap.seq
                 continue
             for t in news:
@@ -175,9 +205,10 @@ class HealthServicer(health_pb2_grpc.DeviceHealthServicer):
 
 class HealthServer:
     def __init__(self, socket_path: Path, state: NodeState, max_workers: int = 16,
-                 outlet_errors: Callable[[], Mapping[str, str]] = dict, clearer: Clearer | None = None) -> None:
+                 outlet_errors: Callable[[], Mapping[str, str]] = dict, clearer: Clearer | None = None,
+                 registration: tuple[str, Callable[[], Registration]] | None = None) -> None:
         self.path = socket_path
-        self.servicer = HealthServicer(state, outlet_errors, clearer)
+        self.servicer = HealthServicer(state, outlet_errors, clearer, registration)
         # 0660: for the node's admins group, not the world; born so at its final path, umask untouched (bind_unix).
         self._grpc = UnixGrpcServer(socket_path, 0o660,
                                     lambda s: health_pb2_grpc.add_DeviceHealthServicer_to_server(self.servicer, s),

@@ -92,3 +92,69 @@ def test_dashboard_is_importable() -> None:
     for p in dash["panels"]:
         assert p["datasource"]["uid"] == "${datasource}", p["title"]
         assert all(t["refId"] for t in p["targets"])
+
+
+# Runbooks and labels -------------------------------------------------------------------------------------------
+
+TROUBLESHOOTING = REPO / "docs" / "troubleshooting.md"
+CHART_RULES = REPO / "charts" / "gpu-health-device-plugin" / "files" / "prometheusrule-spec.yaml"
+CHART_METRICS = REPO / "charts" / "gpu-health-device-plugin" / "templates" / "metrics.yaml"
+RUNBOOK = "docs/troubleshooting.md#"
+
+
+def heading_anchors(markdown: str) -> set[str]:
+    """The anchors a Markdown renderer gives the headings: lower case, punctuation dropped, spaces as hyphens."""
+    anchors = set()
+    for line in markdown.splitlines():
+        m = re.match(r"#{1,6} (.+)", line)
+        if m:
+            anchors.add(re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-"))
+    return anchors
+
+
+def test_heading_anchors_follow_the_renderers_rule() -> None:
+    assert heading_anchors("# Title\n## The plugin does not register with the kubelet\n### `code`, and: more\n") == {
+        "title", "the-plugin-does-not-register-with-the-kubelet", "code-and-more"}
+
+
+def chart_rules() -> list[dict[str, Any]]:
+    return [r for g in yaml.safe_load(CHART_RULES.read_text())["groups"] for r in g["rules"]]
+
+
+@pytest.mark.parametrize("source", ["manifests", "chart"])
+def test_every_alert_links_its_runbook_section(source: str) -> None:
+    anchors = heading_anchors(TROUBLESHOOTING.read_text())
+    alerts = rules() if source == "manifests" else chart_rules()
+    assert len(alerts) >= 3
+    for r in alerts:
+        url = r["annotations"].get("runbook_url", "")
+        assert url == RUNBOOK + r["alert"].lower(), f"{r['alert']}: runbook_url {url!r}"
+        assert url.removeprefix(RUNBOOK) in anchors, f"{r['alert']}: no section {url} in docs/troubleshooting.md"
+
+
+def test_the_chart_renders_the_same_alerts() -> None:
+    # The helm-rendered comparison in test_chart.py needs a helm binary; this one holds the two files equal anywhere.
+    assert yaml.safe_load(CHART_RULES.read_text()) == yaml.safe_load(RULES.read_text())["spec"]
+
+
+def test_alerts_name_the_node_by_the_label_the_service_monitor_sets() -> None:
+    # The scrape target's instance is a pod address, which tells an operator nothing about where to look.
+    template = CHART_METRICS.read_text()
+    assert re.search(r"sourceLabels: \[__meta_kubernetes_pod_node_name\]\s*\n\s*targetLabel: node\b", template)
+    for r in rules():
+        for key in ("summary", "description"):
+            assert "instance" not in r["annotations"][key], f"{r['alert']} {key} names the instance"
+    node_scoped = [r for r in rules() if "{{ $labels.node }}" in r["annotations"]["summary"]]
+    assert len(node_scoped) == len(rules()), "every summary says which node"
+
+
+def test_troubleshooting_links_to_its_own_sections_resolve() -> None:
+    text = TROUBLESHOOTING.read_text()
+    anchors = heading_anchors(text)
+    local = re.findall(r"\]\(#([^)]+)\)", text)
+    assert local, "the runbook links between its sections"
+    assert sorted(set(local) - anchors) == []
+    for doc, anchor in re.findall(r"\]\(([a-z0-9-]+\.md)#([^)]+)\)", text):
+        assert anchor in heading_anchors((REPO / "docs" / doc).read_text()), f"{doc}#{anchor}"
+    for doc in set(re.findall(r"\]\(([a-z0-9-]+\.md)[#)]", text)):
+        assert (REPO / "docs" / doc).is_file(), doc

@@ -7,12 +7,13 @@ from __future__ import annotations
 import json
 import os
 import queue
+import signal
 import socket
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
@@ -121,7 +122,8 @@ def test_status_piped_into_head_in_a_shell(served: Served) -> None:
     cmd = " ".join([*CLI, "status", "--health-socket", str(served.sock)]) + " | head -1"
     proc = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=60)
     _no_traceback(proc.stderr)
-    assert proc.returncode == 0 and proc.stdout.split() == ["ID", "IDX", "STATE", "KUBELET", "SINCE", "REASONS"]
+    assert proc.returncode == 0
+    assert proc.stdout.split() == ["ID", "IDX", "STATE", "KUBELET", "SINCE", "ACTION", "REASONS"]
 
 
 # watch says what it is doing ---------------------------------------------------------------------------------------
@@ -142,6 +144,7 @@ def test_watch_says_connected_and_when_the_plugin_goes_away(served: Served, outp
             assert json.loads(line)["to"] == "Unhealthy"
         else:
             assert line.startswith("#5 ") and "Healthy -> Unhealthy" in line
+            assert "xid-79: XID 79: GPU has fallen off the bus (action: reboot-node)" in line
         served.server.stop()  # the plugin goes away
         rc = proc.wait(timeout=60)
         rest_out, rest_err = out.rest(), err.rest()
@@ -202,12 +205,12 @@ def test_state_dir_finds_the_socket_with_the_plugins_precedence(served: Served, 
 
 
 def test_output_choices_are_in_the_help(capsys: pytest.CaptureFixture[str]) -> None:
-    for command in ("status", "watch"):
+    for command, choices in (("status", "{table,wide,json}"), ("watch", "{table,json}")):
         with pytest.raises(SystemExit) as exc:
             cli.main([command, "--help"])
         assert exc.value.code == 0
         text = capsys.readouterr().out
-        assert "{table,json}" in text and "--state-dir" in text and "GPU_HEALTH_STATE_DIR" in text
+        assert choices in text and "--state-dir" in text and "GPU_HEALTH_STATE_DIR" in text
 
 
 # demo --duration ---------------------------------------------------------------------------------------------------
@@ -219,3 +222,169 @@ def test_demo_rejects_a_duration_that_is_not_a_positive_number(value: str) -> No
     _no_traceback(proc.stderr)
     assert proc.returncode == 2 and proc.stdout == ""
     assert "argument --duration" in proc.stderr.splitlines()[-1] and repr(value) in proc.stderr
+
+
+# What status shows: each device's action and message, the kubelet registration, cut to the terminal ------------
+
+@dataclass
+class Record:
+    """The registration record as the supervisor keeps it (plugin/kubelet/supervisor.py), set by the test."""
+
+    registered: bool = True
+    registrations: int = 2
+    last_registered_at: float = T0
+    last_error: str = ""
+    outlet_errors: dict[str, str] = field(default_factory=dict)  # the reporter's, by outlet
+
+
+@pytest.fixture
+def registered(short_socket_dir: Path) -> Iterator[tuple[Path, Node, Record]]:
+    state = NodeState()
+    node = Node(state, n=3)
+    node.set(1, State.DEGRADED, "thermal-slowdown", now=T0)
+    node.set(2, State.UNHEALTHY, "xid-79", "ecc-uncorrected", now=T0)
+    record = Record()
+    server = HealthServer(short_socket_dir / "health.sock", state, registration=("device-plugin", lambda: record),
+                          outlet_errors=lambda: record.outlet_errors)
+    server.start()
+    yield short_socket_dir / "health.sock", node, record
+    server.stop()
+
+
+def _status(capsys: pytest.CaptureFixture[str], sock: Path, *argv: str) -> list[str]:
+    """stdout's lines, then stderr's: the table is all of stdout, what it does not say is on stderr."""
+    assert cli.main(["status", "--health-socket", str(sock), *argv]) == 0
+    out, err = capsys.readouterr()
+    return out.splitlines() + err.splitlines()
+
+
+def test_status_shows_action_message_and_the_kubelet_registration(
+        registered: tuple[Path, Node, Record], capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    sock, node, record = registered
+    monkeypatch.setenv("COLUMNS", "40")  # captured stdout is no terminal: lines stay whole whatever it says
+    assert cli.main(["status", "--health-socket", str(sock)]) == 0
+    out, err = capsys.readouterr()
+    assert len(out.splitlines()) == 1 + 3  # the header and a row per device: a script's rows, nothing else
+    assert err.splitlines() == ["kubelet: registered (device-plugin, 2 registrations, last at 2026-01-01T00:00:00Z)"]
+    lines = _status(capsys, sock)
+    assert lines[0].split() == ["ID", "IDX", "STATE", "KUBELET", "SINCE", "ACTION", "REASONS"]
+    hot = next(ln for ln in lines if ln.startswith(node.gpus[1].uuid))
+    assert hot.split()[1:6] == ["1", "Degraded", "Healthy", "2026-01-01T00:00:00Z", "none"]
+    assert hot.endswith("thermal-slowdown: temperature 90C at or above slowdown threshold 87C")
+    lost = next(ln for ln in lines if ln.startswith(node.gpus[2].uuid))
+    assert lost.split()[5] == "reboot-node"  # the worst reason's action, as the annotations say it
+    assert "xid-79: XID 79: GPU has fallen off the bus; ecc-uncorrected: 2 volatile" in lost
+    assert lines[-1] == "kubelet: registered (device-plugin, 2 registrations, last at 2026-01-01T00:00:00Z)"
+    record.registered, record.last_error = False, "kubelet.sock does not exist (is the kubelet running?)"
+    assert _status(capsys, sock)[-1] == ("kubelet: NOT registered (device-plugin): kubelet.sock does not exist "
+                                         "(is the kubelet running?)")
+    record.outlet_errors["kube"] = "PATCH node gpu-a: 403 Forbidden"
+    assert _status(capsys, sock)[-2:] == [
+        "kubelet: NOT registered (device-plugin): kubelet.sock does not exist (is the kubelet running?)",
+        "outlet kube failing: PATCH node gpu-a: 403 Forbidden"]
+
+
+def test_status_wraps_to_the_terminal_and_wide_never_does(registered: tuple[Path, Node, Record],
+                                                           capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    sock, node, _ = registered
+    full = ["xid-79: XID 79: GPU has fallen off the bus", "ecc-uncorrected: 2 volatile uncorrected ECC errors"]
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    for columns in (140, 100):  # room for the reasons beside the columns, and not
+        monkeypatch.setenv("COLUMNS", str(columns))
+        lines = _status(capsys, sock)
+        # The rows' columns are what they are (a UUID is 40 characters); the reasons wrap to what is left.
+        assert all(len(ln) <= columns for ln in lines[1:] if ln.startswith(" ") or columns == 140), lines
+        at = next(i for i, ln in enumerate(lines) if ln.startswith(node.gpus[2].uuid))
+        assert lines[at].split()[5] == "reboot-node"
+        # Each reason on lines of its own, under the REASONS column or indented under the row; nothing lost.
+        more = [ln for ln in lines[at + 1:at + 6] if ln.startswith(" ")]
+        beside = lines[at][lines[0].index("REASONS"):]
+        assert bool(beside) == (columns == 140), lines
+        assert " ".join([beside, *(ln.strip() for ln in more)]).strip() == " ".join(full), lines
+        assert len(more) >= 2 and not [ln for ln in lines if ln.endswith("\u2026")]
+    wide = _status(capsys, sock, "-o", "wide")
+    row = next(ln for ln in wide if ln.startswith(node.gpus[2].uuid))
+    assert row.endswith("xid-79: XID 79: GPU has fallen off the bus (action: reboot-node); ecc-uncorrected: 2 "
+                        "volatile uncorrected ECC errors (action: reset-gpu)")
+    assert not [ln for ln in wide if ln.startswith(" ")]
+
+
+def test_status_json_carries_what_the_table_shows(registered: tuple[Path, Node, Record],
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    sock, node, _ = registered
+    doc = json.loads("\n".join(_status(capsys, sock, "-o", "json")))
+    hot = doc["devices"][1]
+    assert (hot["id"], hot["index"], hot["state"], hot["kubelet_health"], hot["action"], hot["since"]) == (
+        node.gpus[1].uuid, 1, "Degraded", "Healthy", "none", "2026-01-01T00:00:00Z")
+    assert hot["reasons"][0]["message"] == "temperature 90C at or above slowdown threshold 87C"
+    assert doc["devices"][2]["kubelet_health"] == "Unhealthy" and doc["devices"][2]["action"] == "reboot-node"
+    assert doc["kubelet"] == {"mode": "device-plugin", "registered": True, "registrations": 2,
+                              "last_registered_at": "2026-01-01T00:00:00Z", "last_error": ""}
+    assert doc["outlet_errors"] == {}
+
+
+def test_status_of_a_plugin_that_does_not_report_registration_says_so(served: Served,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    # An older plugin leaves the field unset: "unknown", never "not registered".
+    assert _status(capsys, served.sock)[-1] == "kubelet: registration not reported (the plugin predates it)"
+    assert cli.main(["status", "--health-socket", str(served.sock), "-o", "json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["kubelet"] is None and err == ""
+
+
+# Subcommands mistyped, flags unknown -------------------------------------------------------------------------------
+
+def test_a_mistyped_subcommand_is_named_with_the_nearest(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["statu"]) == 2
+    assert capsys.readouterr().err == "gpu-health-plugin: unknown subcommand 'statu'; did you mean 'status'?\n"
+    assert cli.main(["frobnicate"]) == 2
+    assert "unknown subcommand 'frobnicate' (one of: run, demo, status" in capsys.readouterr().err
+
+
+def test_an_unknown_flag_of_run_prints_runs_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["run", "--no-such-flag"], ["--no-such-flag"]):  # the default run too
+        with pytest.raises(SystemExit) as exc:
+            cli.main(argv)
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("usage: gpu-health-plugin run ") and "--poll-interval" in err
+        assert err.splitlines()[-1] == "gpu-health-plugin run: error: unrecognized arguments: --no-such-flag"
+
+
+# Ctrl-C ------------------------------------------------------------------------------------------------------------
+
+def test_ctrl_c_stops_run_with_exit_130_and_no_error(short_socket_dir: Path) -> None:
+    from tests.conftest import NodeFile
+
+    NodeFile(short_socket_dir / "node.json")
+    sock = short_socket_dir / "state" / "health.sock"
+    proc = subprocess.Popen(
+        [*CLI, "run", "--backend", "simulated", "--simulated-node", str(short_socket_dir / "node.json"),
+         "--device-plugin-dir", str(short_socket_dir / "dp"), "--state-dir", str(short_socket_dir / "state"),
+         "--dev-root", str(short_socket_dir), "--metrics-address", "off"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    out = Lines(proc.stdout)
+    try:
+        while "health API serving on" not in (out.next() or "health API serving on"):
+            pass
+        # The plugin's own view of its registration, through the health API: no kubelet here, so not registered.
+        status = subprocess.run([*CLI, "status", "-o", "json", "--health-socket", str(sock)], capture_output=True,
+                                text=True, timeout=60)
+        kubelet = json.loads(status.stdout)["kubelet"]
+        assert kubelet["mode"] == "device-plugin" and kubelet["registered"] is False and kubelet["last_error"]
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=30)
+        text = out.rest()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert rc == 130, text
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text
+    assert not [ln for ln in text.splitlines() if " ERROR " in ln], text
+    # One line from the Ctrl-C on: the one saying so.
+    said = text.splitlines()
+    at = next(i for i, ln in enumerate(said) if "received SIGINT, shutting down" in ln)
+    assert said[at + 1:] == [], text

@@ -22,6 +22,8 @@ from api.dra.v1 import api_pb2 as dra_pb2
 from api.dra.v1 import api_pb2_grpc as dra_grpc
 from api.drahealth.v1 import api_pb2 as h_pb2
 from api.drahealth.v1 import api_pb2_grpc as h_grpc
+from api.gpuhealth.v1alpha1 import health_pb2
+from api.gpuhealth.v1alpha1 import health_pb2_grpc as health_grpc
 from api.pluginregistration.v1 import api_pb2 as reg_pb2
 from api.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from plugin.app import App
@@ -54,6 +56,11 @@ def _probe(port: int, path: str) -> tuple[int, str]:
         return e.code, e.read().decode()
 
 
+def _kubelet(a: App) -> health_pb2.KubeletRegistration:
+    with grpc.insecure_channel(f"unix://{a.cfg.health_socket_path}") as ch:
+        return health_grpc.DeviceHealthStub(ch).List(health_pb2.ListRequest(), timeout=10).kubelet
+
+
 @pytest.fixture
 def app(short_socket_dir: Path, dev_root: Path) -> Iterator[tuple[App, int, NodeFile]]:
     root = short_socket_dir
@@ -83,6 +90,7 @@ def test_dra_mode_serves_the_kubelet_through_dra_only_and_is_ready_once_register
     reg_path = short_socket_dir / "registry" / f"{DRIVER}-reg.sock"
     assert reg_path.is_socket()
     assert _probe(port, "/readyz")[0] == 503
+    assert not _kubelet(a).registered
     with grpc.insecure_channel(f"unix://{reg_path}") as ch:
         stub = reg_grpc.RegistrationStub(ch)
         info = stub.GetInfo(reg_pb2.InfoRequest(), timeout=5)
@@ -91,6 +99,9 @@ def test_dra_mode_serves_the_kubelet_through_dra_only_and_is_ready_once_register
         stub.NotifyRegistrationStatus(reg_pb2.RegistrationStatus(plugin_registered=True), timeout=5)
     status, body = _probe(port, "/readyz")
     assert status == 200 and "registered with the kubelet" in body, body
+    # `status` reads the same record through the health API, with the mode it was made in.
+    kubelet = _kubelet(a)
+    assert (kubelet.mode, kubelet.registered, kubelet.registrations) == ("dra", True, 1)
     with grpc.insecure_channel(f"unix://{info.endpoint}") as ch:
         # The health stream comes from the monitor: a fault on the node file arrives with its reason.
         stream = h_grpc.DRAResourceHealthStub(ch).NodeWatchResources(h_pb2.NodeWatchResourcesRequest(), timeout=20)

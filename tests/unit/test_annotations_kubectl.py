@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -31,7 +33,10 @@ def node_doc(name: str, bad: dict[int, tuple[State, str]] | None = None) -> dict
 def nodes_file(tmp_path: Path) -> Path:
     doc = {"kind": "List", "items": [node_doc("gpu-b", {2: (State.UNHEALTHY, "xid-79")}),
                                      node_doc("gpu-a", {0: (State.DEGRADED, "thermal-slowdown")}),
-                                     {"kind": "Node", "metadata": {"name": "cpu-1", "annotations": {}}}]}
+                                     {"kind": "Node", "metadata": {"name": "cpu-1", "annotations": {}}},
+                                     # a GPU node whose agent writes nothing (not deployed there, or failing)
+                                     {"kind": "Node", "metadata": {"name": "gpu-c"},
+                                      "status": {"capacity": {"cpu": "64", "nvidia.com/gpu": "8"}}}]}
     path = tmp_path / "nodes.json"
     path.write_text(json.dumps(doc))
     return path
@@ -45,7 +50,9 @@ def test_table_lists_every_device_sorted_with_reasons(nodes_file: Path, capsys: 
     assert [ln.split()[:2] for ln in lines[1:]] == [[n, f"gpu.{i}"] for n in ("gpu-a", "gpu-b") for i in range(4)]
     bad = next(ln for ln in lines if ln.startswith("gpu-b") and "Unhealthy" in ln)
     assert "reboot-node" in bad and "xid-79: XID 79: GPU has fallen off the bus" in bad
-    assert "1 node(s) without gpu-health.io annotations: cpu-1" in err
+    # The CPU node is no GPU node: not named unless asked for.
+    assert err.strip() == ("1 node(s) without gpu-health.io annotations but with GPU capacity (is the agent running "
+                           "there?): gpu-c")
 
 
 def test_filters_by_node_glob_and_state(nodes_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -125,3 +132,56 @@ def test_a_value_nested_past_the_bound_is_left_out_and_named_not_a_crash(tmp_pat
     assert [ln.split()[:2] for ln in out.splitlines()[1:]] == [
         *([["gpu-a", f"gpu.{i}"] for i in range(4)]), *([["gpu-b", f"gpu.{i}"] for i in range(3)])]
     assert "gpu-b: gpu-health.io/gpu.3: nested deeper than 8 levels" in err, err
+
+
+def test_all_nodes_names_the_nodes_without_gpus_too_and_never_an_empty_name(
+        tmp_path: Path, nodes_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert kubectl_plugin.main(["--from-file", str(nodes_file), "--all-nodes"]) == 0
+    assert capsys.readouterr().err.strip() == "2 node(s) without gpu-health.io annotations: cpu-1, gpu-c"
+    nameless = tmp_path / "nameless.json"
+    nameless.write_text(json.dumps({"kind": "List", "items": [
+        {"kind": "Node", "metadata": {}, "status": {"capacity": {"nvidia.com/gpu": "4"}}},
+        {"kind": "Node", "metadata": {"name": "cpu-1"}}]}))
+    assert kubectl_plugin.main(["--from-file", str(nameless), "--all-nodes"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == "No matching GPU devices with health annotations."
+    assert err.strip() == "2 node(s) without gpu-health.io annotations: <no name>, cpu-1"
+    assert kubectl_plugin.main(["--from-file", str(nameless), "-o", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["nodesWithoutData"] == ["<no name>"]
+
+
+def test_dash_n_is_kubectls_namespace_ignored_for_nodes_and_node_still_picks(
+        nodes_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # -n once meant --node: now it is what every kubectl user types it for, taken and ignored (nodes have no
+    # namespace), and said so, since ignoring it silently would hide that it no longer picks a node.
+    assert kubectl_plugin.main(["--from-file", str(nodes_file), "-n", "gpu-a", "-o", "json"]) == 0
+    out, err = capsys.readouterr()
+    assert {d["node"] for d in json.loads(out)["devices"]} == {"gpu-a", "gpu-b"}
+    assert err.splitlines()[0] == ("kubectl gpu-health: -n/--namespace gpu-a ignored: nodes are not namespaced "
+                                   "(--node NAME picks nodes)")
+    assert kubectl_plugin.main(["--from-file", str(nodes_file), "--node", "gpu-a", "-o", "json"]) == 0
+    assert {d["node"] for d in json.loads(capsys.readouterr().out)["devices"]} == {"gpu-a"}
+    # In the fleet view -n is what it means there: the namespace of the controller's Lease.
+    assert kubectl_plugin.build_fleet_parser().parse_args(["-n", "ops"]).namespace == "ops"
+
+
+def test_a_node_name_that_matches_nothing_is_an_error(nodes_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert kubectl_plugin.main(["--from-file", str(nodes_file), "--node", "gpu-z"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err == "kubectl gpu-health: no node matches --node gpu-z\n"
+    # One of two names that matches nothing is as much a typo.
+    assert kubectl_plugin.main(["--from-file", str(nodes_file), "--node", "gpu-a", "--node", "gpu-*x"]) == 1
+    assert capsys.readouterr().err == "kubectl gpu-health: no node matches --node gpu-*x\n"
+
+
+def test_into_a_closed_pipe_it_exits_quietly(nodes_file: Path) -> None:
+    """`kubectl gpu-health | head -1` once head has its line: the reader is gone before the table is written."""
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "plugin.kubectl_plugin", "--from-file", str(nodes_file)],
+                              stdout=w, stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(w)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr and "Exception ignored" not in proc.stderr

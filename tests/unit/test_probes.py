@@ -64,6 +64,9 @@ class StallableBackend:
     def watch(self, on_change: object) -> None:
         pass
 
+    def unwatch(self) -> None:
+        pass
+
     def close(self) -> None:
         self.release.set()
         self.inner.close()

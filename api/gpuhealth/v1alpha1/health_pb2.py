@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#api/gpuhealth/v1alpha1/health.proto\x12\x12gpuhealth.v1alpha1\"m\n\x06Reason\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0e\n\x06source\x18\x03 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x04 \x01(\t\x12\x12\n\nfirst_seen\x18\x05 \x01(\x01\x12\x10\n\x08severity\x18\x06 \x01(\t\"\xbf\x01\n\x0c\x44\x65viceStatus\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12+\n\x07reasons\x18\x03 \x03(\x0b\x32\x1a.gpuhealth.v1alpha1.Reason\x12\r\n\x05since\x18\x04 \x01(\x01\x12\x16\n\x0ekubelet_health\x18\x05 \x01(\t\x12\r\n\x05index\x18\x06 \x01(\x05\x12\x0c\n\x04name\x18\x07 \x01(\t\x12\x0f\n\x07\x63leared\x18\x08 \x01(\t\x12\x12\n\ncleared_at\x18\t \x01(\x01\"\r\n\x0bListRequest\"\xce\x01\n\x0cListResponse\x12\x31\n\x07\x64\x65vices\x18\x01 \x03(\x0b\x32 .gpuhealth.v1alpha1.DeviceStatus\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12I\n\routlet_errors\x18\x03 \x03(\x0b\x32\x32.gpuhealth.v1alpha1.ListResponse.OutletErrorsEntry\x1a\x33\n\x11OutletErrorsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"!\n\x0cWatchRequest\x12\x11\n\tsince_seq\x18\x01 \x01(\x04\"\x94\x01\n\nTransition\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\n\n\x02id\x18\x02 \x01(\t\x12\x12\n\nfrom_state\x18\x03 \x01(\t\x12\x10\n\x08to_state\x18\x04 \x01(\t\x12+\n\x07reasons\x18\x05 \x03(\x0b\x32\x1a.gpuhealth.v1alpha1.Reason\x12\x0c\n\x04time\x18\x06 \x01(\x01\x12\x0c\n\x04note\x18\x07 \x01(\t\"\x91\x01\n\nWatchEvent\x12\x34\n\x08snapshot\x18\x01 \x01(\x0b\x32 .gpuhealth.v1alpha1.ListResponseH\x00\x12\x34\n\ntransition\x18\x02 \x01(\x0b\x32\x1e.gpuhealth.v1alpha1.TransitionH\x00\x12\x0e\n\x06resync\x18\x03 \x01(\x08\x42\x07\n\x05\x65vent\"I\n\x0c\x43learRequest\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x0b\n\x03\x61ll\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0c\n\x04note\x18\x04 \x01(\t\"#\n\x07\x43leared\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\"=\n\rClearResponse\x12,\n\x07\x63leared\x18\x01 \x03(\x0b\x32\x1b.gpuhealth.v1alpha1.Cleared2\xfa\x01\n\x0c\x44\x65viceHealth\x12K\n\x04List\x12\x1f.gpuhealth.v1alpha1.ListRequest\x1a .gpuhealth.v1alpha1.ListResponse\"\x00\x12M\n\x05Watch\x12 .gpuhealth.v1alpha1.WatchRequest\x1a\x1e.gpuhealth.v1alpha1.WatchEvent\"\x00\x30\x01\x12N\n\x05\x43lear\x12 .gpuhealth.v1alpha1.ClearRequest\x1a!.gpuhealth.v1alpha1.ClearResponse\"\x00\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#api/gpuhealth/v1alpha1/health.proto\x12\x12gpuhealth.v1alpha1\"m\n\x06Reason\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0e\n\x06source\x18\x03 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x04 \x01(\t\x12\x12\n\nfirst_seen\x18\x05 \x01(\x01\x12\x10\n\x08severity\x18\x06 \x01(\t\"\xbf\x01\n\x0c\x44\x65viceStatus\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12+\n\x07reasons\x18\x03 \x03(\x0b\x32\x1a.gpuhealth.v1alpha1.Reason\x12\r\n\x05since\x18\x04 \x01(\x01\x12\x16\n\x0ekubelet_health\x18\x05 \x01(\t\x12\r\n\x05index\x18\x06 \x01(\x05\x12\x0c\n\x04name\x18\x07 \x01(\t\x12\x0f\n\x07\x63leared\x18\x08 \x01(\t\x12\x12\n\ncleared_at\x18\t \x01(\x01\"\r\n\x0bListRequest\"\x88\x02\n\x0cListResponse\x12\x31\n\x07\x64\x65vices\x18\x01 \x03(\x0b\x32 .gpuhealth.v1alpha1.DeviceStatus\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12I\n\routlet_errors\x18\x03 \x03(\x0b\x32\x32.gpuhealth.v1alpha1.ListResponse.OutletErrorsEntry\x12\x38\n\x07kubelet\x18\x04 \x01(\x0b\x32\'.gpuhealth.v1alpha1.KubeletRegistration\x1a\x33\n\x11OutletErrorsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"~\n\x13KubeletRegistration\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x12\n\nregistered\x18\x02 \x01(\x08\x12\x15\n\rregistrations\x18\x03 \x01(\x04\x12\x1a\n\x12last_registered_at\x18\x04 \x01(\x01\x12\x12\n\nlast_error\x18\x05 \x01(\t\"!\n\x0cWatchRequest\x12\x11\n\tsince_seq\x18\x01 \x01(\x04\"\x94\x01\n\nTransition\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\n\n\x02id\x18\x02 \x01(\t\x12\x12\n\nfrom_state\x18\x03 \x01(\t\x12\x10\n\x08to_state\x18\x04 \x01(\t\x12+\n\x07reasons\x18\x05 \x03(\x0b\x32\x1a.gpuhealth.v1alpha1.Reason\x12\x0c\n\x04time\x18\x06 \x01(\x01\x12\x0c\n\x04note\x18\x07 \x01(\t\"\x91\x01\n\nWatchEvent\x12\x34\n\x08snapshot\x18\x01 \x01(\x0b\x32 .gpuhealth.v1alpha1.ListResponseH\x00\x12\x34\n\ntransition\x18\x02 \x01(\x0b\x32\x1e.gpuhealth.v1alpha1.TransitionH\x00\x12\x0e\n\x06resync\x18\x03 \x01(\x08\x42\x07\n\x05\x65vent\"I\n\x0c\x43learRequest\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x0b\n\x03\x61ll\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0c\n\x04note\x18\x04 \x01(\t\"#\n\x07\x43leared\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\"=\n\rClearResponse\x12,\n\x07\x63leared\x18\x01 \x03(\x0b\x32\x1b.gpuhealth.v1alpha1.Cleared2\xfa\x01\n\x0c\x44\x65viceHealth\x12K\n\x04List\x12\x1f.gpuhealth.v1alpha1.ListRequest\x1a .gpuhealth.v1alpha1.ListResponse\"\x00\x12M\n\x05Watch\x12 .gpuhealth.v1alpha1.WatchRequest\x1a\x1e.gpuhealth.v1alpha1.WatchEvent\"\x00\x30\x01\x12N\n\x05\x43lear\x12 .gpuhealth.v1alpha1.ClearRequest\x1a!.gpuhealth.v1alpha1.ClearResponse\"\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,21 +40,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTREQUEST']._serialized_start=364
   _globals['_LISTREQUEST']._serialized_end=377
   _globals['_LISTRESPONSE']._serialized_start=380
-  _globals['_LISTRESPONSE']._serialized_end=586
-  _globals['_LISTRESPONSE_OUTLETERRORSENTRY']._serialized_start=535
-  _globals['_LISTRESPONSE_OUTLETERRORSENTRY']._serialized_end=586
-  _globals['_WATCHREQUEST']._serialized_start=588
-  _globals['_WATCHREQUEST']._serialized_end=621
-  _globals['_TRANSITION']._serialized_start=624
-  _globals['_TRANSITION']._serialized_end=772
-  _globals['_WATCHEVENT']._serialized_start=775
-  _globals['_WATCHEVENT']._serialized_end=920
-  _globals['_CLEARREQUEST']._serialized_start=922
-  _globals['_CLEARREQUEST']._serialized_end=995
-  _globals['_CLEARED']._serialized_start=997
-  _globals['_CLEARED']._serialized_end=1032
-  _globals['_CLEARRESPONSE']._serialized_start=1034
-  _globals['_CLEARRESPONSE']._serialized_end=1095
-  _globals['_DEVICEHEALTH']._serialized_start=1098
-  _globals['_DEVICEHEALTH']._serialized_end=1348
+  _globals['_LISTRESPONSE']._serialized_end=644
+  _globals['_LISTRESPONSE_OUTLETERRORSENTRY']._serialized_start=593
+  _globals['_LISTRESPONSE_OUTLETERRORSENTRY']._serialized_end=644
+  _globals['_KUBELETREGISTRATION']._serialized_start=646
+  _globals['_KUBELETREGISTRATION']._serialized_end=772
+  _globals['_WATCHREQUEST']._serialized_start=774
+  _globals['_WATCHREQUEST']._serialized_end=807
+  _globals['_TRANSITION']._serialized_start=810
+  _globals['_TRANSITION']._serialized_end=958
+  _globals['_WATCHEVENT']._serialized_start=961
+  _globals['_WATCHEVENT']._serialized_end=1106
+  _globals['_CLEARREQUEST']._serialized_start=1108
+  _globals['_CLEARREQUEST']._serialized_end=1181
+  _globals['_CLEARED']._serialized_start=1183
+  _globals['_CLEARED']._serialized_end=1218
+  _globals['_CLEARRESPONSE']._serialized_start=1220
+  _globals['_CLEARRESPONSE']._serialized_end=1281
+  _globals['_DEVICEHEALTH']._serialized_start=1284
+  _globals['_DEVICEHEALTH']._serialized_end=1534
 # @@protoc_insertion_point(module_scope)

@@ -154,6 +154,7 @@ class ListResponse(_message.Message):
     DEVICES_FIELD_NUMBER: _builtins.int
     SEQ_FIELD_NUMBER: _builtins.int
     OUTLET_ERRORS_FIELD_NUMBER: _builtins.int
+    KUBELET_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """sequence number of the newest transition reflected here"""
     @_builtins.property
@@ -164,20 +165,61 @@ class ListResponse(_message.Message):
         Empty while every outlet works. Device health does not depend on it.
         """
 
+    @_builtins.property
+    def kubelet(self) -> Global___KubeletRegistration:
+        """Whether the kubelet takes the node's GPUs from this plugin now. Unset from a plugin older than the field."""
+
     def __init__(
         self,
         *,
         devices: _abc.Iterable[Global___DeviceStatus] | None = ...,
         seq: _builtins.int = ...,
         outlet_errors: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        kubelet: Global___KubeletRegistration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["kubelet", b"kubelet"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["devices", b"devices", "outlet_errors", b"outlet_errors", "seq", b"seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["devices", b"devices", "kubelet", b"kubelet", "outlet_errors", b"outlet_errors", "seq", b"seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListResponse: _TypeAlias = ListResponse  # noqa: Y015
+
+@_typing.final
+class KubeletRegistration(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODE_FIELD_NUMBER: _builtins.int
+    REGISTERED_FIELD_NUMBER: _builtins.int
+    REGISTRATIONS_FIELD_NUMBER: _builtins.int
+    LAST_REGISTERED_AT_FIELD_NUMBER: _builtins.int
+    LAST_ERROR_FIELD_NUMBER: _builtins.int
+    mode: _builtins.str
+    """device-plugin or dra: which kubelet API the plugin serves"""
+    registered: _builtins.bool
+    """the last registration round succeeded and the kubelet has not gone since"""
+    registrations: _builtins.int
+    """successful registrations since the plugin started (a kubelet restart adds one)"""
+    last_registered_at: _builtins.float
+    """unix seconds of the last successful registration; 0 when none"""
+    last_error: _builtins.str
+    """why it is not registered now (or the last failure), "" when none"""
+    def __init__(
+        self,
+        *,
+        mode: _builtins.str = ...,
+        registered: _builtins.bool = ...,
+        registrations: _builtins.int = ...,
+        last_registered_at: _builtins.float = ...,
+        last_error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["last_error", b"last_error", "last_registered_at", b"last_registered_at", "mode", b"mode", "registered", b"registered", "registrations", b"registrations"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KubeletRegistration: _TypeAlias = KubeletRegistration  # noqa: Y015
 
 @_typing.final
 class WatchRequest(_message.Message):
