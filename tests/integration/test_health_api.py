@@ -67,10 +67,13 @@ def test_status_and_watch_cli(env: Env) -> None:
     dev = {d["id"]: d for d in doc["devices"]}[env.node.uuids[4]]
     assert dev["state"] == "Unhealthy" and dev["since"].endswith("Z")
     assert dev["reasons"] == [{"code": "nvlink-down", "message": "NVLink down: link 2", "action": "reset-gpu",
-                              "source": "poll"}]
+                              "source": "poll", "severity": "Unhealthy"}]
+    assert (dev["index"], dev["kubelet_health"], dev["action"]) == (4, "Unhealthy", "reset-gpu")
     table = subprocess.run([sys.executable, "-m", "plugin", "status", "--health-socket", sock],
                            capture_output=True, text=True, timeout=30)
-    assert "nvlink-down (reset-gpu)" in table.stdout and table.stdout.startswith("ID")
+    [row] = [line for line in table.stdout.splitlines() if line.startswith(env.node.uuids[4])]
+    assert row.split()[1:4] == ["4", "Unhealthy", "Unhealthy"] and "reset-gpu" in row.split()
+    assert row.endswith("nvlink-down: NVLink down: link 2") and table.stdout.startswith("ID")
     # watch replays from sequence 0 isn't possible (0 = snapshot), so resume from before the last transition.
     seq = env.app.state.snapshot().seq
     w = subprocess.run([sys.executable, "-m", "plugin", "watch", "--health-socket", sock, "--output", "json",
