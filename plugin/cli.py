@@ -22,6 +22,7 @@ from plugin import config as config_mod
 from plugin.config import nvidia
 from plugin.options.flags import add_arguments
 from plugin.options.sources import config_path
+from plugin.stdout import reader_gone
 from plugin.version import VersionAction
 
 SUBCOMMANDS = ("run", "demo", "status", "watch", "clear", "inspect", "simulated-node", "kernel-log-relay",
@@ -193,13 +194,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.flush()  # a reader gone away is seen here, not in the interpreter's final flush
             return rc
         except BrokenPipeError:
-            # `status | head -1`: the reader took what it wanted. That is success (as a `--count` watch that
-            # reached its count is), so exit 0 and print nothing; fd 1 goes to /dev/null so the interpreter's
-            # own flush at exit cannot fail again.
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            return 0
+            # `status | head -1`: as a `--count` watch that reached its count, exit 0 and print nothing.
+            return reader_gone()
         except KeyboardInterrupt:  # Ctrl-C before the stream started (watch stops on it with 0 by design)
-            return 130
+            return EXIT_INTERRUPTED
     if args.command == "simulated-node":
         return _write_simulated_node(args.write, args.force)
     if args.command == "kernel-log-relay":

@@ -27,6 +27,7 @@ from plugin.controller.nodes import CONTROLLER, Keys
 from plugin.health.reasons import State
 from plugin.kube.names import DEFAULT_PREFIX
 from plugin.schema.annotations import DeviceEntry, decode
+from plugin.stdout import reader_gone
 from plugin.validation import check_prefix, is_dns_subdomain
 from plugin.version import VersionAction
 
@@ -345,11 +346,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         rc = _main(list(sys.argv[1:] if argv is None else argv))
         sys.stdout.flush()  # a reader gone away is seen here, not in the interpreter's final flush
         return rc
-    except BrokenPipeError:
-        # `kubectl gpu-health | head -1`: the reader took what it wanted, which is success. fd 1 goes to /dev/null
-        # so the interpreter's own flush at exit cannot fail again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+    except BrokenPipeError:  # `kubectl gpu-health | head -1`
+        return reader_gone()
 
 
 def _main(words: list[str]) -> int:

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 # Lowest first; docs/architecture.md has the same table.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("plugin", "plugin.atomicfile", "plugin.validation", "plugin.backoff",
-              "plugin.sockets", "plugin.logs", "plugin.version")),
+              "plugin.sockets", "plugin.logs", "plugin.version", "plugin.stdout")),
     ("kube", ("plugin.kube",)),
     ("serve", ("plugin.serve",)),
     ("options", ("plugin.options",)),
