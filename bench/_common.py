@@ -109,3 +109,13 @@ def simulated_plugin(repo: Path, metrics: bool = True) -> Iterator[tuple[subproc
                 proc.terminate()
                 proc.wait(10)
             kubelet.stop()
+
+
+def proc_status(pid: int) -> dict[str, int]:
+    """A process's resident and peak memory (kB) and thread count, from /proc/<pid>/status."""
+    out: dict[str, int] = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("VmRSS", "VmHWM", "Threads"):
+            out[key] = int(rest.split()[0])
+    return out

@@ -27,18 +27,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench._common import compiled_env  # noqa: E402
+from bench._common import compiled_env, proc_status  # noqa: E402
 from plugin.devices.simulated import builtin_node  # noqa: E402
 from plugin.devtools.standin import KubeletStandin  # noqa: E402
-
-
-def _status(pid: int) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, rest = line.partition(":")
-        if key in ("VmRSS", "VmHWM", "Threads"):
-            out[key] = int(rest.split()[0])
-    return out
 
 
 def _cpu_s(pid: int) -> float:
@@ -82,7 +73,7 @@ def one_run(faults: int, idle_s: float, poll_interval: str | None, reporter: boo
             if not kubelet.wait_for(lambda: kubelet.capacity()[1] == 8, timeout=60):
                 raise RuntimeError("plugin did not register 8 healthy GPUs within 60 s")
             registered_s = time.monotonic() - t0
-            at_registration = _status(proc.pid)
+            at_registration = proc_status(proc.pid)
             gpus = node["gpus"]
             assert isinstance(gpus, list)
             for i in range(faults):
@@ -94,11 +85,11 @@ def one_run(faults: int, idle_s: float, poll_interval: str | None, reporter: boo
                 _write_node(node_file, node)
                 if not kubelet.wait_for(lambda: kubelet.capacity()[1] == len(gpus), timeout=30):
                     raise RuntimeError(f"recovery {i}: allocatable is {kubelet.capacity()}, want {len(gpus)}")
-            after_faults = _status(proc.pid)
+            after_faults = proc_status(proc.pid)
             cpu0, w0 = _cpu_s(proc.pid), time.monotonic()
             time.sleep(idle_s)  # idle: nothing to await, the point is to let time pass
             idle_cpu_pct = 100 * (_cpu_s(proc.pid) - cpu0) / (time.monotonic() - w0)
-            end = _status(proc.pid)
+            end = proc_status(proc.pid)
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(10)

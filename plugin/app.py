@@ -178,8 +178,10 @@ def make_dra(cfg: Config, state: NodeState, alloc: AllocationConfig, clock: Call
         cdi_dir=cfg.cdi_spec_dir, state_dir=cfg.state_dir, dev_dir=alloc.dev_dir,
         allow_unhealthy=cfg.allow_unhealthy_allocation, degraded_as=cfg.dra_degraded_health,
         unhealthy_effect=cfg.dra_unhealthy_taint_effect, degraded_taint=cfg.dra_degraded_taint,
-        taint_prefix=cfg.annotation_prefix, debounce_s=cfg.report_debounce, min_interval_s=cfg.report_min_interval,
-        resync_s=cfg.report_resync_interval, backoff_max_s=cfg.report_backoff_max)
+        taint_prefix=cfg.annotation_prefix, mig_strategy=cfg.mig_strategy, sharing=cfg.sharing,
+        resource_name=cfg.resource_name, debounce_s=cfg.report_debounce,
+        min_interval_s=cfg.report_min_interval, resync_s=cfg.report_resync_interval,
+        backoff_max_s=cfg.report_backoff_max)
     kubeconfig = cfg.kubeconfig
     # DRA mode cannot prepare a claim without the API server, so a client that can never be built is a start-up
     # error here, where the reporter (which can wait) retries instead.

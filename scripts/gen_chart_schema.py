@@ -296,6 +296,14 @@ def controller_config_schema(description: str) -> Schema:
 
 # The chart's own keys --------------------------------------------------------------------------------------------
 
+# dra.extendedResourceName: empty, or domain/name as a pod's extended resource is written (the name part at most 63).
+_DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_EXTENDED_RESOURCE_PATTERN = rf"^({_DNS_LABEL}(\.{_DNS_LABEL})*/[A-Za-z0-9]([-A-Za-z0-9_.]{{0,61}}[A-Za-z0-9])?)?$"
+# dra.migProfiles: with `+` read as `.`, the profile must make a DNS subdomain (the class mig-<profile>.gpu-health.io)
+# and an extended resource name part (mig-<profile>, at most 63 characters, hence 59 for the profile).
+_MIG_PROFILE_PATTERN = rf"^{_DNS_LABEL}([.+]{_DNS_LABEL})*$"
+_MIG_PROFILE_MAX = 59
+
 # Below these the keys come from the code, not from values.yaml, which sets only a few of them.
 GENERATED = ("plugin", "health", "sharing", "controller.config")
 
@@ -318,6 +326,20 @@ def chart_schema() -> Schema:
         "mode": _enum("How GPUs reach pods (docs/dra.md): device-plugin (the nvidia.com/gpu extended resource) or dra "
                       "(Dynamic Resource Allocation: ResourceSlices, the DeviceClass gpu.gpu-health.io; Kubernetes "
                       ">= 1.34). One mode per node.", plugin_options.option("mode").choices),
+        "dra": _fixed("mode: dra's DeviceClasses (docs/dra.md): gpu.gpu-health.io, mig.gpu-health.io and one per "
+                      "MIG profile; read only in mode: dra.", {
+            "extendedResourceName": {
+                **_string("The extended resource the class gpu.gpu-health.io serves (KEP-5004), e.g. nvidia.com/gpu; "
+                          "its domain names the profile classes' resources (<domain>/mig-<profile>). Empty: none.",
+                          pattern=_EXTENDED_RESOURCE_PATTERN),
+                # The API server's rule: never in a *kubernetes.io domain (the native resources), never requests.*.
+                "not": {"pattern": r"kubernetes\.io/|^requests\."}},
+            "migProfiles": _typed("MIG profiles that get a class mig-<profile>.gpu-health.io with the extended "
+                                  "resource <domain>/mig-<profile>; a `+` becomes `.` in both names.", "array",
+                                  uniqueItems=True,
+                                  items={"type": "string", "pattern": _MIG_PROFILE_PATTERN,
+                                         "maxLength": _MIG_PROFILE_MAX}),
+        }),
         "migStrategy": _enum("MIG devices: none (GPUs whole), single (MIG devices as nvidia.com/gpu) or mixed (one "
                              "resource per profile, for example nvidia.com/mig-1g.10gb).", MIG_STRATEGIES),
         "failOnInitError": _boolean("Exit when NVML cannot start, so the failure is a visible crash loop; false "

@@ -57,9 +57,23 @@ def check_dra(cfg: Config) -> None:
     if not cfg.node_name:
         raise ConfigError(cfg.name_of("node_name"),
                           "--mode dra needs this node's name: its ResourceSlice and claims are looked up by it")
-    if cfg.mig_strategy != "none":
+    if cfg.mig_strategy == "single":
+        # single folds every instance into the one resource name; a DRA claim selects instances by attribute instead.
         raise ConfigError(cfg.name_of("mig_strategy"),
-                          f"--mode dra publishes whole GPUs only; expected none, got {cfg.mig_strategy!r}")
-    if cfg.sharing.resources:
-        raise ConfigError("sharing.timeSlicing", "--mode dra does not share GPUs (time-slicing is a device-plugin "
-                                                 "feature); remove the sharing section")
+                          "single is device-plugin mode's; with --mode dra use mixed: every MIG instance is then a "
+                          "device of its own, and a claim selects instances by its profile attribute")
+    # DRA shares a device in place (plugin/dra/shares.py): the scheduler counts claims against it, so what only
+    # makes sense for replicas advertised as devices of their own is refused rather than silently dropped.
+    if cfg.sharing.resources and cfg.sharing.policy != "distributed":
+        raise ConfigError("sharing.timeSlicing.allocationPolicy",
+                          f"--mode dra: the scheduler places claims on shared GPUs; expected distributed (the "
+                          f"default), got {cfg.sharing.policy!r}")
+    for r in cfg.sharing.resources:
+        if r.rename:
+            raise ConfigError(f"{r.where}.rename", "--mode dra keeps a shared GPU's name and class: a claim asks for "
+                                                   "a share of it (docs/dra.md, \"Shared GPUs\"); remove rename "
+                                                   "(and renameByDefault)")
+        if r.fail_requests_greater_than_one:
+            raise ConfigError(f"{r.where}.failRequestsGreaterThanOne",
+                              "--mode dra: a claim takes one share unless its request asks the shares capacity for "
+                              "more, and never more than replicas; remove failRequestsGreaterThanOne")

@@ -33,7 +33,9 @@ KIND = f"{DRIVER}/{CLASS}"
 
 @dataclass(frozen=True)
 class CdiGpu:
-    """What a spec needs of one allocated GPU: its device name in the slice, its UUID and its /dev minor."""
+    """What a spec needs of one allocated device: its name in the slice, the UUID NVIDIA_VISIBLE_DEVICES names
+    (a MIG instance's own, which the NVIDIA runtime resolves to the instance) and its /dev minor (an instance's
+    parent's: MIG instances have no /dev/nvidia<N> of their own, as device-plugin mode hands them out too)."""
 
     device: str
     uuid: str
@@ -88,7 +90,7 @@ def build_spec(claim_uid: str, gpus: Sequence[CdiGpu], dev_dir: str, exists: Cal
         "cdiVersion": CDI_VERSION,
         "kind": kind(driver),
         "devices": devices,
-        # Spec-level edits apply once whenever any device of the spec is injected: the env names every GPU of the
+        # Spec-level edits apply once whenever any device of the spec is injected: the env names every device of the
         # claim, so a container that takes the claim sees all of them whichever CDI id the runtime applies first.
         "containerEdits": {
             "env": ["NVIDIA_VISIBLE_DEVICES=" + ",".join(g.uuid for g in gpus)],

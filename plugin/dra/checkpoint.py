@@ -34,19 +34,32 @@ class PreparedDevice:
     request_names: tuple[str, ...]
     pool: str
     device: str
-    uuid: str
-    minor: int  # /dev/nvidia<minor>: enough to rewrite the CDI spec without the GPU being discovered again
+    uuid: str  # what NVIDIA_VISIBLE_DEVICES names: the GPU's UUID, or a MIG instance's
+    minor: int  # /dev/nvidia<minor> (an instance's parent's): enough to rewrite the CDI spec without discovery
     cdi_ids: tuple[str, ...]
+    # A MIG instance's parent GPU, so the GPU counts as held (plugin/dra/holders.py) even once the instance is gone
+    # from discovery. Written only when set: a whole GPU's entry reads as before, and an older plugin ignores it.
+    parent_uuid: str = ""
+    # The allocation's shareID when the device is shared by several claims (consumable capacity): the kubelet keys
+    # the prepared device by it. Written only when set, as parent_uuid.
+    share_id: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"request_names": list(self.request_names), "pool": self.pool, "device": self.device,
-                "uuid": self.uuid, "minor": self.minor, "cdi_ids": list(self.cdi_ids)}
+        d: dict[str, Any] = {"request_names": list(self.request_names), "pool": self.pool, "device": self.device,
+                             "uuid": self.uuid, "minor": self.minor, "cdi_ids": list(self.cdi_ids)}
+        if self.parent_uuid:
+            d["parent_uuid"] = self.parent_uuid
+        if self.share_id:
+            d["share_id"] = self.share_id
+        return d
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> PreparedDevice:
         return PreparedDevice(request_names=tuple(_strs(d, "request_names")), pool=_str(d, "pool"),
                               device=_str(d, "device"), uuid=_str(d, "uuid"), minor=_int(d, "minor"),
-                              cdi_ids=tuple(_strs(d, "cdi_ids")))
+                              cdi_ids=tuple(_strs(d, "cdi_ids")),
+                              parent_uuid=_str(d, "parent_uuid") if "parent_uuid" in d else "",
+                              share_id=_str(d, "share_id") if "share_id" in d else "")
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,13 @@
-"""The kubelet-facing half of DRA mode: NodePrepareResources and NodeUnprepareResources for this node's GPUs.
+"""The kubelet-facing half of DRA mode: NodePrepareResources and NodeUnprepareResources for this node's devices
+(whole GPUs, and MIG instances under ``--mig-strategy mixed``).
 
-Prepare turns a claim the scheduler allocated into what the runtime needs: a CDI spec naming the GPUs' device
-nodes, and the CDI ids in the answer. It reads the allocation from the ResourceClaim on the API server (the kubelet
-sends only the claim's identity), checks each device against the node state, and records the result in a
-checkpoint before it answers, so a repeated prepare (a kubelet restart) and an unprepare after a plugin restart
-answer from what was prepared. Unprepare undoes both; a claim it does not know is already unprepared.
+Prepare turns a claim the scheduler allocated into what the runtime needs: a CDI spec naming the devices' nodes
+(an instance's are its parent GPU's) and UUIDs, and the CDI ids in the answer. It reads the allocation from the
+ResourceClaim on the API server (the kubelet sends only the claim's identity), checks each device against the node
+state, and records the result in a checkpoint before it answers, so a repeated prepare (a kubelet restart) and an
+unprepare after a plugin restart answer from what was prepared. Unprepare undoes both; a claim it does not know is
+already unprepared. A claim stays prepared as it was when its device goes (a MIG instance destroyed, a GPU gone)
+until the kubelet unprepares it: the pod may still run, and only the checkpoint knows what to remove.
 
 Failures of one claim are that claim's error in the answer, never the call's: the kubelet retries each claim on
 its own. Only a request that is malformed as a whole (an empty UID, a UID that is not a UUID) fails the call, with
@@ -33,7 +36,7 @@ from api.dra.v1beta1 import api_pb2 as v1beta1_pb2
 from api.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
 from plugin.dra import cdi
 from plugin.dra.checkpoint import Checkpoint, CheckpointError, CheckpointUnreadable, PreparedClaim, PreparedDevice
-from plugin.dra.slices import DRIVER, SliceSettings, allocatable, device_names, device_plan
+from plugin.dra.slices import DRIVER, PublishedDevice, SliceSettings, allocatable, device_plan, published_devices
 from plugin.health.node_state import DeviceStatus, NodeState
 from plugin.kube.errors import ApiFailure
 from plugin.kube.protocols import ClaimApi
@@ -84,7 +87,7 @@ class Result(StrEnum):
     CLAIM_NOT_FOUND = "claim-not-found"  # no such claim (404), or one of that name with another UID
     API_ERROR = "api-error"  # any other failure reading the ResourceClaim
     NOT_ALLOCATED = "not-allocated"  # no allocation yet, or an allocation result without a device or request name
-    NOT_OURS = "not-ours"  # no device of this driver's pool allocated, or a device name that is no GPU of the node
+    NOT_OURS = "not-ours"  # no device of this driver's pool allocated, or a device name the node does not publish
     NOT_ALLOCATABLE = "not-allocatable"  # the device is not allocatable now (its health, the claim's tolerations)
     CDI_ERROR = "cdi-error"  # the CDI spec could not be written or removed
     CHECKPOINT_ERROR = "checkpoint-error"  # the checkpoint could not be written
@@ -304,18 +307,22 @@ class Driver:
         results = _get(claim, "status.allocation.devices.results")
         if not isinstance(results, list):
             results = []
-        # One device may serve several requests of the claim; it is still one GPU, named once, in first-seen order.
-        requests: dict[str, list[str]] = {}
+        # One device may serve several requests of the claim; it is still one GPU, named once, in first-seen order
+        # (once per share of it the claim holds, where the device is shared: the kubelet keys each by its shareID).
+        requests: dict[tuple[str, str], list[str]] = {}
         # The tolerations each request had when the scheduler allocated the device (the allocation keeps a copy).
         tolerations: dict[str, list[list[dict[str, Any]]]] = {}
         for i, r in enumerate(results):
             if not isinstance(r, dict) or r.get("driver") != self.driver_name or r.get("pool") != self.pool:
                 continue
-            device, request = r.get("device"), r.get("request")
+            device, request, share = r.get("device"), r.get("request"), r.get("shareID") or ""
             if not isinstance(device, str) or not device or not isinstance(request, str):
                 raise _ClaimError(Result.NOT_ALLOCATED,
                                   f"{what}: status.allocation.devices.results[{i}] has no device or request name")
-            names = requests.setdefault(device, [])
+            if not isinstance(share, str):
+                raise _ClaimError(Result.NOT_ALLOCATED,
+                                  f"{what}: status.allocation.devices.results[{i}].shareID is not a string")
+            names = requests.setdefault((device, share), [])
             if request not in names:
                 names.append(request)
             tolerated = r.get("tolerations")
@@ -324,31 +331,37 @@ class Driver:
         if not requests:
             raise _ClaimError(Result.NOT_OURS,
                               f"{what} has no device of driver {self.driver_name} in pool {self.pool} allocated")
-        by_name = self._devices_by_name()
         settings = self._slice_settings()
+        by_name = self._devices_by_name(settings)
         out: list[PreparedDevice] = []
-        for device, names in requests.items():
-            status = by_name.get(device)
-            if status is None:
-                raise _ClaimError(Result.NOT_OURS, f"{what}: device {device!r} is not a GPU of node {self.node_name}")
+        for (device, share), names in requests.items():
+            found = by_name.get(device)
+            if found is None:
+                # Also a MIG instance destroyed since the scheduler allocated it: nothing left to hand over.
+                raise _ClaimError(Result.NOT_OURS,
+                                  f"{what}: device {device!r} is not a GPU or MIG instance of node {self.node_name}")
+            status = found.status
             # Every request holding the device must be one the scheduler could give it to now.
-            if not self.allow_unhealthy and not all(allocatable(status, settings, t) for t in tolerations[device]):
+            if status is not None and not self.allow_unhealthy and \
+                    not all(allocatable(status, settings, t) for t in tolerations[device]):
                 raise _ClaimError(Result.NOT_ALLOCATABLE,
-                                  f"{what}: device {device!r} ({status.gpu.uuid}) is {status.state.value} "
+                                  f"{what}: device {device!r} ({found.uuid}) is {status.state.value} "
                                   f"({_why(status)}); {_not_allocatable(status, settings)}; refusing to prepare it")
-            out.append(PreparedDevice(request_names=tuple(names), pool=self.pool, device=device,
-                                      uuid=status.gpu.uuid, minor=status.gpu.dev_minor,
-                                      cdi_ids=(cdi.cdi_id(c.uid, device, self.driver_name),)))
+            out.append(PreparedDevice(request_names=tuple(names), pool=self.pool, device=device, uuid=found.uuid,
+                                      minor=found.gpu.dev_minor,
+                                      cdi_ids=(cdi.cdi_id(c.uid, device, self.driver_name),),
+                                      parent_uuid=found.gpu.uuid if found.is_mig else "", share_id=share))
         return tuple(out)
 
-    def _devices_by_name(self) -> dict[str, DeviceStatus]:
-        # Whole GPUs only, named exactly as the ResourceSlice outlet names them.
-        whole = [d for d in self._state.snapshot().devices if d.mig is None]
-        names = device_names(d.gpu for d in whole)
-        return {names[d.gpu.uuid]: d for d in whole}
+    def _devices_by_name(self, settings: SliceSettings) -> dict[str, PublishedDevice]:
+        # The devices exactly as the ResourceSlice writer publishes them, under the same MIG strategy.
+        return {d.name: d for d in published_devices(self._state.snapshot().devices, settings.mig_strategy)}
 
     def _write_spec(self, uid: str, devices: Sequence[PreparedDevice]) -> None:
-        gpus = [cdi.CdiGpu(device=d.device, uuid=d.uuid, minor=d.minor) for d in devices]
+        # Two shares of one device in one claim are one device to the container.
+        unique = {d.device: d for d in reversed(devices)}
+        gpus = [cdi.CdiGpu(device=d.device, uuid=d.uuid, minor=d.minor)
+                for d in devices if unique.get(d.device) is d]
         spec = cdi.build_spec(uid, gpus, self.dev_dir, self._exists, self.driver_name)
         try:
             cdi.write_spec(self.cdi_dir, uid, spec, self.driver_name)
@@ -419,8 +432,10 @@ def _prepare(driver: Driver, pb: ModuleType, request: Any, context: grpc.Service
         entry = resp.claims[uid]
         entry.error = r.error
         for d in r.devices:
-            entry.devices.add(request_names=list(d.request_names), pool_name=d.pool, device_name=d.device,
-                              cdi_device_ids=list(d.cdi_ids))
+            dev = entry.devices.add(request_names=list(d.request_names), pool_name=d.pool, device_name=d.device,
+                                    cdi_device_ids=list(d.cdi_ids))
+            if d.share_id and "share_id" in dev.DESCRIPTOR.fields_by_name:  # v1beta1 has no shares
+                dev.share_id = d.share_id
     return resp
 
 

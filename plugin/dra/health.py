@@ -4,6 +4,11 @@ The kubelet stamps every device of a report with the time it received it and rea
 report named it within the device's timeout. So every message is a full report of every device: one at once, one
 after each change of the node state, and one every ``heartbeat_s`` while nothing changes. The mapping from a
 snapshot to a report is the pure function ``device_health``; the servicers only pace it.
+
+The devices are the slice's (``slices.published_devices``, under the same MIG strategy): whole GPUs, and MIG
+instances under ``mixed``, each with its own state, an instance's carrying its parent's faults. A device that is
+gone from the node (an instance destroyed) is no longer reported, so the kubelet shows it Unknown after its
+timeout while a claim still holds it.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from api.drahealth.v1 import api_pb2 as v1_pb2
 from api.drahealth.v1 import api_pb2_grpc as v1_grpc
 from api.drahealth.v1alpha1 import api_pb2 as v1alpha1_pb2
 from api.drahealth.v1alpha1 import api_pb2_grpc as v1alpha1_grpc
-from plugin.dra.slices import DRIVER, device_names
+from plugin.dra.slices import DRIVER, check_mig_strategy, published_devices
 from plugin.health.node_state import NodeState, Snapshot
 from plugin.health.reasons import State
 from plugin.sockets import client_left
@@ -55,8 +60,10 @@ class HealthSettings:
     degraded_as: str = "Healthy"
     timeout_s: int = 60  # health_check_timeout_seconds in every report
     heartbeat_s: float = 20.0  # a full report at least this often; at most a third of timeout_s
+    mig_strategy: str = "none"  # the slice's (SliceSettings.mig_strategy): the devices reported are the slice's
 
     def __post_init__(self) -> None:
+        check_mig_strategy(self.mig_strategy)
         if not self.pool:
             raise FieldError("pool", "expected the pool name (the node name), got an empty string")
         if self.degraded_as not in DEGRADED_AS:
@@ -83,18 +90,17 @@ def _short(message: str) -> str:
 
 def device_health(snapshot: Snapshot, names: Mapping[str, str] | None,
                   settings: HealthSettings) -> list[DeviceReport]:
-    """One report line per whole GPU of ``snapshot``, in snapshot order.
+    """One report line per device the slice publishes for ``snapshot``, in the slice's order.
 
-    ``names`` maps a GPU's UUID to its device name in the ResourceSlice; None: computed from the snapshot's GPUs as
-    the slice writer does. A GPU without a name there is left out (it is not in the slice either).
+    ``names`` maps a device's UUID (a GPU's, or a MIG instance's) to its name in the ResourceSlice; None: the names
+    ``published_devices`` gives, as the slice writer does. A device without a name there is left out (it is not in
+    the slice either).
     """
-    whole = [d for d in snapshot.devices if d.mig is None]
-    if names is None:
-        names = device_names(d.gpu for d in whole)
     out: list[DeviceReport] = []
-    for d in whole:
-        name = names.get(d.gpu.uuid)
-        if name is None:
+    for device in published_devices(snapshot.devices, settings.mig_strategy):
+        d = device.status
+        name = device.name if names is None else names.get(device.uuid)
+        if name is None or d is None:
             continue
         top = d.reasons
         reason = _short(f"{top[0].code}: {top[0].message}") if top else ""

@@ -1,6 +1,7 @@
-"""Which claims hold a GPU in DRA mode, from the driver's checkpoint of prepared claims: the recovery check's "busy"
-answer there (plugin/health/recovery.py). The driver writes the checkpoint before it answers a prepare and keeps a
-claim in it until it is unprepared, so a prepared claim is a pod on the GPU, or about to be.
+"""Which claims hold a GPU in DRA mode, from the driver's checkpoint of prepared claims (of the GPU itself or of one
+of its MIG instances): the recovery check's "busy" answer there (plugin/health/recovery.py). The driver writes the
+checkpoint before it answers a prepare and keeps a claim in it until it is unprepared, so a prepared claim is a pod
+on the GPU, or about to be.
 
 The file is read, never repaired: moving a damaged one aside is the driver's call (plugin/dra/checkpoint.py). A file
 that cannot be read or understood counts as holding every GPU, and the answer says why.
@@ -53,8 +54,12 @@ class PreparedClaimHolders:
             claims = prepared_claims(data)
         except ValueError as exc:
             return f"cannot tell which claims hold it: the DRA checkpoint {self.path}: {exc}"
+        # A claim on one of its MIG instances holds the GPU too: by the parent its entry names, which outlives the
+        # instance, or by an instance's UUID the GPU lists.
         uuid = gpu.uuid.lower()
-        names = sorted({f"{c.namespace}/{c.name}" for c in claims if any(d.uuid.lower() == uuid for d in c.devices)})
+        ids = {uuid, *(m.uuid.lower() for m in gpu.mig_devices)}
+        names = sorted({f"{c.namespace}/{c.name}" for c in claims
+                        if any(d.uuid.lower() in ids or d.parent_uuid.lower() == uuid for d in c.devices)})
         if not names:
             return ""
         more = f" and {len(names) - 1} more" if len(names) > 1 else ""

@@ -8,7 +8,7 @@ our registration" in both modes.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from plugin.dra.driver import Driver
@@ -18,6 +18,7 @@ from plugin.dra.slices import DRIVER, SliceSettings
 from plugin.dra.slicewriter import SliceWriter
 from plugin.health.node_state import NodeState
 from plugin.kube.protocols import ClaimApi, SliceApi
+from plugin.sharing.config import SharingConfig
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,10 @@ class DraSettings:
     unhealthy_effect: str = "NoSchedule"
     degraded_taint: bool = True
     taint_prefix: str = "gpu-health.io"
+    mig_strategy: str = "none"  # --mig-strategy: none or mixed (the config refuses single in DRA mode)
+    # The sharing section: which devices several claims may hold at once.
+    sharing: SharingConfig = field(default_factory=SharingConfig)
+    resource_name: str = "nvidia.com/gpu"  # what the sharing entries call a whole GPU
     debounce_s: float = 1.0
     min_interval_s: float = 10.0
     resync_s: float = 600.0
@@ -60,7 +65,8 @@ class DraMode:
         self.slice_writer = SliceWriter(
             state, SliceSettings(node_name=settings.node_name, taint_prefix=settings.taint_prefix,
                                  unhealthy_effect=settings.unhealthy_effect,
-                                 degraded_taint=settings.degraded_taint),
+                                 degraded_taint=settings.degraded_taint, mig_strategy=settings.mig_strategy,
+                                 sharing=settings.sharing, resource_name=settings.resource_name),
             slices, debounce_s=settings.debounce_s, min_interval_s=settings.min_interval_s,
             resync_s=settings.resync_s, backoff_max_s=settings.backoff_max_s, clock=clock)
         # Prepare reads the writer's settings as they are now: the same rule the slice is built from, taints off
@@ -69,7 +75,8 @@ class DraMode:
                              settings.dev_dir, allow_unhealthy=settings.allow_unhealthy,
                              slice_settings=lambda: self.slice_writer.settings)
         self.server = DraServer(settings.plugin_dir, settings.registry_dir, state, self.driver,
-                                HealthSettings(pool=settings.node_name, degraded_as=settings.degraded_as),
+                                HealthSettings(pool=settings.node_name, degraded_as=settings.degraded_as,
+                                               mig_strategy=settings.mig_strategy),
                                 driver_name=DRIVER, on_registered=self.slice_writer.resync_now)
 
     def start(self) -> None:

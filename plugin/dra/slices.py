@@ -1,12 +1,18 @@
 """The node's ResourceSlice (resource.k8s.io/v1) in DRA mode, with device taints from health, as pure functions.
 
-No I/O and no clock, like ``annotations.py``: the writer hands in the GPUs, the status of each and the settings,
-and gets back the whole object it wants on the server, then asks whether the server's copy already says that
-(``slice_changed``), which pool generation to write (``next_generation``) and the body of the write
+No I/O and no clock, like ``annotations.py``: the writer hands in the node's devices with the status of each and
+the settings, and gets back the whole object it wants on the server, then asks whether the server's copy already
+says that (``slice_changed``), which pool generation to write (``next_generation``) and the body of the write
 (``update_body``). The same inputs give the same bytes, so an unchanged node is never written.
 
-One slice per node, one pool per slice, one device per whole GPU. MIG devices are out of scope for now: every GPU
-is published whole, as ``--mig-strategy none`` advertises it to the kubelet.
+One slice per node, one pool per slice. What a device is comes from one place, ``published_devices`` (over
+``slice_devices``): with ``--mig-strategy none`` every GPU is one device, whole, even one in MIG mode; with ``mixed``
+a GPU that has MIG instances is published as one device per instance instead (named ``gpu-<index>-mig-<gi>-<ci>``),
+the others whole. Each device's ``type`` attribute (``gpu`` or ``mig``) tells DeviceClasses which is which.
+The slice, Prepare (plugin/dra/driver.py) and the health stream (plugin/dra/health.py) all name and judge devices
+through it, so a name means the same device everywhere. An instance's status is its own DeviceStatus, which already
+carries its parent GPU's faults, so the parent's taint reaches every instance. ``single`` has no DRA meaning (a
+claim selects an instance by its ``profile`` attribute) and is refused.
 
 Attributes are written fully qualified under the driver's domain (``gpu.gpu-health.io/uuid``). A bare name would
 mean the same to the scheduler (bare names are taken as the driver's domain), but a claim's ``matchAttribute`` and
@@ -33,14 +39,16 @@ import copy
 import hashlib
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from plugin.devices.model import Gpu
+from plugin.devices.model import Gpu, MigDevice
+from plugin.dra import shares
 from plugin.health.node_state import DeviceStatus
 from plugin.health.reasons import KubeletHealth, State
 from plugin.kube.events import rfc3339
 from plugin.kube.names import COMPONENT, DEFAULT_PREFIX
+from plugin.sharing.config import SharingConfig
 from plugin.validation import FieldError, check_prefix, is_dns_subdomain
 
 DRIVER = "gpu.gpu-health.io"
@@ -64,7 +72,15 @@ UNHEALTHY_KEY = "unhealthy"
 UNKNOWN_KEY = "unknown"
 DEGRADED_KEY = "degraded"
 
+# The MIG strategies DRA mode publishes under; device-plugin mode's ``single`` merges instances into one resource,
+# which a DRA claim has no need of: it selects instances by their attributes.
+MIG_STRATEGIES = ("none", "mixed")
+# The ``type`` attribute: what a DeviceClass selects on to hand out whole GPUs or MIG instances.
+TYPE_GPU = "gpu"
+TYPE_MIG = "mig"
+
 _INDEX_NAME_RE = re.compile(r"gpu-\d+")
+_MIG_NAME_RE = re.compile(r"gpu-\d+-mig-\d+-\d+")
 _NOT_LABEL_VALUE_RE = re.compile(r"[^A-Za-z0-9._-]")
 _EDGE = "-._"  # allowed inside a label value, not at either end
 
@@ -87,8 +103,18 @@ class SliceSettings:
     # the devices a taint would have kept claims off (``device_plan``).
     taints: bool = True
     node_uid: str = ""  # when known, the Node owns the slice, so deleting the node deletes it
+    mig_strategy: str = "none"  # one of MIG_STRATEGIES: whether GPUs with MIG instances are published as those
+    # The sharing section's time-slicing entries (plugin/dra/shares.py): devices they select take that many claims
+    # at once. ``resource_name`` is what the entries call whole GPUs (their MIG instances: <domain>/mig-<profile>).
+    sharing: SharingConfig = field(default_factory=SharingConfig)
+    resource_name: str = "nvidia.com/gpu"
+    # False once the writer has seen the API server drop allowMultipleAllocations (the DRAConsumableCapacity gate
+    # off): as with taints, asking again would differ from the stored copy forever; devices are then published
+    # plain, one claim each.
+    consumable: bool = True
 
     def __post_init__(self) -> None:
+        check_mig_strategy(self.mig_strategy)
         if not self.node_name or not is_dns_subdomain(self.node_name):
             raise FieldError("node_name", f"expected a node name (a lower-case DNS subdomain), got {self.node_name!r}")
         if len(self.driver) > DRIVER_MAX or not is_dns_subdomain(self.driver):
@@ -109,6 +135,16 @@ class SliceSettings:
     @property
     def pool_name(self) -> str:
         return self.pool or self.node_name
+
+
+def check_mig_strategy(value: str) -> None:
+    """``FieldError`` naming ``mig_strategy`` unless DRA mode publishes under ``value``."""
+    if value == "single":
+        raise FieldError("mig_strategy", "single is device-plugin mode's; in DRA mode use mixed: every MIG instance "
+                                         "is a device of its own and a claim selects instances by their profile "
+                                         "attribute")
+    if value not in MIG_STRATEGIES:
+        raise FieldError("mig_strategy", f"expected one of {', '.join(MIG_STRATEGIES)}, got {value!r}")
 
 
 # Names --------------------------------------------------------------------------------------------------------
@@ -134,6 +170,12 @@ def device_names(gpus: Iterable[Gpu]) -> dict[str, str]:
         counts[name] = counts.get(name, 0) + 1
     return {uuid: name if counts[name] == 1 and _INDEX_NAME_RE.fullmatch(name) else hashed_name(uuid)
             for uuid, name in wanted.items()}
+
+
+def mig_device_name(gpu: Gpu, mig: MigDevice) -> str:
+    """``gpu-3-mig-9-0``: the parent's index name, then the GPU instance and the compute instance, as nvidia-smi
+    numbers them: a DNS label that says which GPU an instance is on, and stable while the layout stays."""
+    return f"{device_name(gpu)}-mig-{mig.gpu_instance_id}-{mig.compute_instance_id}"
 
 
 def slice_name(settings: SliceSettings) -> str:
@@ -194,17 +236,107 @@ def memory_quantity(mib: int) -> str:
     return f"{mib}{suffixes[step]}"
 
 
-def device_attributes(gpu: Gpu, island: int, domain: str) -> dict[str, dict[str, Any]]:
-    attrs: dict[str, dict[str, Any]] = {f"{domain}/uuid": _string(gpu.uuid), f"{domain}/index": {"int": gpu.index}}
-    if gpu.name:
-        attrs[f"{domain}/productName"] = _string(gpu.name)
-    if gpu.numa_node is not None:
-        attrs[f"{domain}/numaNode"] = {"int": gpu.numa_node}
+@dataclass(frozen=True)
+class PublishedDevice:
+    """One device of the node's slice: a whole GPU, or under ``mixed`` one MIG instance of a GPU. The unit the slice,
+    Prepare and the health stream share (``published_devices``), so a name means the same device in all three."""
+
+    name: str
+    gpu: Gpu  # the physical GPU: an instance's parent
+    mig: MigDevice | None = None  # set for a MIG instance
+    # The device's own status (an instance's already carries its parent's faults); None: no verdict yet.
+    status: DeviceStatus | None = None
+
+    @property
+    def is_mig(self) -> bool:
+        return self.mig is not None
+
+    @property
+    def uuid(self) -> str:
+        """What NVIDIA_VISIBLE_DEVICES names: an instance's MIG UUID, else the GPU's."""
+        return self.mig.uuid if self.mig is not None else self.gpu.uuid
+
+    @property
+    def type(self) -> str:
+        return TYPE_MIG if self.mig is not None else TYPE_GPU
+
+    @property
+    def memory_mib(self) -> int:
+        return self.mig.memory_mib if self.mig is not None else self.gpu.memory_mib
+
+
+def device_statuses(devices: Iterable[DeviceStatus]) -> dict[str, DeviceStatus]:
+    """Device UUID (a GPU's, or a MIG instance's) -> its status, from a snapshot's devices."""
+    return {d.mig.uuid if d.mig is not None else d.gpu.uuid: d for d in devices}
+
+
+def slice_devices(gpus: Iterable[Gpu], statuses: Mapping[str, DeviceStatus],
+                  mig_strategy: str = "none") -> list[PublishedDevice]:
+    """Every device ``gpus`` are published as, in slice order (GPU index, then GPU and compute instance), whether
+    the slice lists it now or not (``device_plan`` decides that): each GPU whole, or under ``mixed`` a GPU with MIG
+    instances as those instances instead. ``statuses`` by device UUID; an instance without a status of its own
+    takes its parent's, so a fault of the GPU never goes missing with an entry.
+
+    Names are computed over all of them, so a device leaving the slice moves no other's name. An instance name that
+    would clash (two instances with the same ids: a broken discovery) or does not rest on its parent's index name
+    falls back to a hash of its MIG UUID, as ``device_names`` does for GPUs."""
+    check_mig_strategy(mig_strategy)
+    gs = sorted(gpus, key=lambda g: (g.index, g.uuid))
+    names = device_names(gs)
+    wanted: list[tuple[Gpu, MigDevice | None, str]] = []
+    for g in gs:
+        if mig_strategy == "mixed" and g.mig_devices:
+            # A parent named by a hash (its index clashes) would give its instances ambiguous names: hash them too.
+            by_index = _INDEX_NAME_RE.fullmatch(names[g.uuid]) is not None
+            for m in sorted(g.mig_devices, key=lambda m: (m.gpu_instance_id, m.compute_instance_id, m.uuid)):
+                wanted.append((g, m, mig_device_name(g, m) if by_index else ""))
+        else:
+            wanted.append((g, None, names[g.uuid]))
+    counts: dict[str, int] = {}
+    for _, mig, name in wanted:
+        if mig is not None:
+            counts[name] = counts.get(name, 0) + 1
+    out: list[PublishedDevice] = []
+    for g, mig, name in wanted:
+        if mig is None:
+            out.append(PublishedDevice(name, g, None, statuses.get(g.uuid)))
+            continue
+        if counts[name] != 1 or not _MIG_NAME_RE.fullmatch(name) or len(name) > LABEL_MAX:
+            name = hashed_name(mig.uuid)
+        own = statuses.get(mig.uuid)
+        out.append(PublishedDevice(name, g, mig, own if own is not None else statuses.get(g.uuid)))
+    return out
+
+
+def published_devices(devices: Iterable[DeviceStatus], mig_strategy: str = "none") -> list[PublishedDevice]:
+    """The node's published devices from a snapshot's devices (``slice_devices`` of its whole GPUs, with every
+    status): what the slice writer publishes, Prepare looks a claim's device up in, and the health stream reports."""
+    ds = list(devices)
+    return slice_devices([d.gpu for d in ds if d.mig is None], device_statuses(ds), mig_strategy)
+
+
+def device_attributes(device: PublishedDevice, island: int, domain: str) -> dict[str, dict[str, Any]]:
+    """An instance carries its parent's index (an index selector picks a GPU's instances), its own ids and profile,
+    and the parent's product and topology: it is where the parent is."""
+    g, m = device.gpu, device.mig
+    attrs: dict[str, dict[str, Any]] = {f"{domain}/uuid": _string(device.uuid),
+                                        f"{domain}/type": _string(device.type),
+                                        f"{domain}/index": {"int": g.index}}
+    if m is not None:
+        attrs[f"{domain}/parentUUID"] = _string(g.uuid)
+        if m.profile:
+            attrs[f"{domain}/profile"] = _string(m.profile)
+        attrs[f"{domain}/gpuInstance"] = {"int": m.gpu_instance_id}
+        attrs[f"{domain}/computeInstance"] = {"int": m.compute_instance_id}
+    if g.name:
+        attrs[f"{domain}/productName"] = _string(g.name)
+    if g.numa_node is not None:
+        attrs[f"{domain}/numaNode"] = {"int": g.numa_node}
     attrs[f"{domain}/nvlinkIsland"] = {"int": island}
-    if gpu.pcie_switch:
-        attrs[f"{domain}/pcieSwitch"] = _string(gpu.pcie_switch)
-    if gpu.pci_bus_id:
-        attrs[f"{domain}/pciBusID"] = _string(gpu.pci_bus_id)
+    if g.pcie_switch:
+        attrs[f"{domain}/pcieSwitch"] = _string(g.pcie_switch)
+    if g.pci_bus_id:
+        attrs[f"{domain}/pciBusID"] = _string(g.pci_bus_id)
     return attrs
 
 
@@ -289,33 +421,45 @@ def allocatable(status: DeviceStatus | None, settings: SliceSettings,
     return taint is None or taint["effect"] not in TAINT_EFFECTS or any(tolerates(t, taint) for t in tolerations)
 
 
-def gpu_statuses(devices: Iterable[DeviceStatus]) -> dict[str, DeviceStatus]:
-    """GPU UUID -> status of the whole GPU, from a snapshot's devices; MIG devices are left out with the rest of
-    MIG here."""
-    return {d.gpu.uuid: d for d in devices if d.mig is None}
+def slice_device(device: PublishedDevice, island: int, plan: DevicePlan, domain: str) -> dict[str, Any]:
+    """One device of the slice as the API takes it, from what ``device_plan`` says of it. Whatever else a device
+    comes to carry belongs here, so every device gets it the same way."""
+    entry: dict[str, Any] = {"name": device.name, "attributes": device_attributes(device, island, domain)}
+    if device.memory_mib > 0:  # no reading: no capacity rather than a zero one
+        entry["capacity"] = {f"{domain}/memory": {"value": memory_quantity(device.memory_mib)}}
+    if plan.taint is not None:
+        entry["taints"] = [plan.taint]
+    return entry
 
 
-def desired_slice(gpus: Sequence[Gpu], statuses: Mapping[str, DeviceStatus], settings: SliceSettings,
-                  generation: int = 1) -> dict[str, Any]:
-    """The whole ResourceSlice for ``gpus`` (``statuses`` by GPU UUID), at pool ``generation``: each device as
-    ``device_plan`` says, those it leaves out left out. Devices are in index order whatever the discovery order, so
-    the same node gives the same bytes."""
-    if len(gpus) > MAX_DEVICES:
-        raise ValueError(f"{len(gpus)} GPUs: a ResourceSlice with device taints holds at most {MAX_DEVICES}")
-    names = device_names(gpus)
-    islands = nvlink_islands(gpus)
-    devices: list[dict[str, Any]] = []
-    for g in sorted(gpus, key=lambda g: (g.index, g.uuid)):
-        plan = device_plan(statuses.get(g.uuid), settings)
+def _shareable(device: PublishedDevice, resource_name: str) -> shares.Shareable:
+    m = device.mig
+    return shares.Shareable(device.name, shares.resource_of(resource_name, m.profile if m is not None else None),
+                            device.gpu.index, (device.gpu.uuid,) if m is None else (device.gpu.uuid, m.uuid))
+
+
+def resource_slice(devices: Sequence[PublishedDevice], settings: SliceSettings,
+                   generation: int = 1) -> dict[str, Any]:
+    """The whole ResourceSlice of ``devices`` (as ``published_devices`` gives them), at pool ``generation``: each
+    device as ``device_plan`` says, those it leaves out left out, in the order given."""
+    if len(devices) > MAX_DEVICES:
+        migs = sum(1 for d in devices if d.is_mig)
+        raise ValueError(f"{len(devices)} devices ({len(devices) - migs} whole GPUs, {migs} MIG instances): a "
+                         f"ResourceSlice with device taints holds at most {MAX_DEVICES}")
+    parents = {d.gpu.uuid: d.gpu for d in devices}
+    islands = nvlink_islands(parents.values())
+    # Selected among all devices, listed now or not, so a device leaving the slice moves no other's share.
+    shared = shares.replicas([_shareable(d, settings.resource_name) for d in devices], settings.sharing) \
+        if settings.consumable else {}
+    out: list[dict[str, Any]] = []
+    for d in devices:
+        plan = device_plan(d.status, settings)
         if not plan.listed:
-            continue  # named among all GPUs above all the same, so no other device's name moves meanwhile
-        device: dict[str, Any] = {"name": names[g.uuid],
-                                  "attributes": device_attributes(g, islands[g.index], settings.driver)}
-        if g.memory_mib > 0:
-            device["capacity"] = {f"{settings.driver}/memory": {"value": memory_quantity(g.memory_mib)}}
-        if plan.taint is not None:
-            device["taints"] = [plan.taint]
-        devices.append(device)
+            continue  # named among all devices all the same, so no other device's name moves meanwhile
+        entry = slice_device(d, islands[d.gpu.index], plan, settings.driver)
+        if d.name in shared:
+            shares.share(entry, shared[d.name], settings.driver)
+        out.append(entry)
     metadata: dict[str, Any] = {"name": slice_name(settings), "labels": {MANAGED_BY: COMPONENT}}
     if settings.node_uid:
         metadata["ownerReferences"] = [{"apiVersion": "v1", "kind": "Node", "name": settings.node_name,
@@ -325,16 +469,25 @@ def desired_slice(gpus: Sequence[Gpu], statuses: Mapping[str, DeviceStatus], set
         "nodeName": settings.node_name,
         "pool": {"name": settings.pool_name, "generation": generation, "resourceSliceCount": 1},
     }
-    if devices:
-        spec["devices"] = devices
+    if out:
+        spec["devices"] = out
     return {"apiVersion": API_VERSION, "kind": KIND, "metadata": metadata, "spec": spec}
+
+
+def desired_slice(gpus: Sequence[Gpu], statuses: Mapping[str, DeviceStatus], settings: SliceSettings,
+                  generation: int = 1) -> dict[str, Any]:
+    """The whole ResourceSlice for ``gpus`` (``statuses`` by device UUID, a GPU's or a MIG instance's) under
+    ``settings.mig_strategy``. Devices are in index order whatever the discovery order, so the same node gives the
+    same bytes."""
+    return resource_slice(slice_devices(gpus, statuses, settings.mig_strategy), settings, generation)
 
 
 # Comparing with the server's copy -----------------------------------------------------------------------------
 
 def _pool_content(obj: Mapping[str, Any]) -> dict[str, Any]:
-    """The spec without the pool generation: what a consumer allocates from."""
-    spec = copy.deepcopy(dict(obj.get("spec") or {}))
+    """The spec without the pool generation: what a consumer allocates from. A shallow copy: it is only compared,
+    and a deep one of a 56-device slice cost more than building the slice (bench/bench_dra_mig.py)."""
+    spec = dict(obj.get("spec") or {})
     pool = dict(spec.get("pool") or {})
     pool.pop("generation", None)
     spec["pool"] = pool

@@ -34,18 +34,19 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from plugin.backoff import Backoff
-from plugin.devices.model import Gpu
+from plugin.dra.shares import sharing_dropped
 from plugin.dra.slices import (
+    PublishedDevice,
     SliceSettings,
-    desired_slice,
-    gpu_statuses,
     must_recreate,
     next_generation,
+    published_devices,
+    resource_slice,
     slice_name,
     taints_dropped,
     update_body,
 )
-from plugin.health.node_state import DeviceStatus, NodeState
+from plugin.health.node_state import NodeState
 from plugin.kube.errors import ApiFailure
 from plugin.kube.protocols import SliceApi
 from plugin.kube.ratelimit import WriteScheduler
@@ -63,6 +64,7 @@ class SliceWriterStatus(WriterStatus):
     GETs."""
 
     taints_published: bool = True  # false once the API server was seen dropping our device taints
+    sharing_published: bool = True  # false once it was seen dropping allowMultipleAllocations
     # Every kind ``failures_by_kind`` can hold, so the metrics show each at 0 before its first failure. A label
     # value each: no spaces.
     failure_kinds: ClassVar[tuple[str, ...]] = ("client", "read", "write", "not-served")
@@ -95,11 +97,11 @@ class SliceWriter(PacedWriter[SliceWriterStatus, SliceApi], OutletThread):
         self._recheck_every_s = recheck_every_s
         self._recheck_until = -math.inf
         self._backoff = Backoff(backoff_initial_s, backoff_max_s, rng=rng or random.Random())
-        PacedWriter.__init__(self, SliceWriterStatus(taints_published=settings.taints),
+        PacedWriter.__init__(self, SliceWriterStatus(taints_published=settings.taints,
+                                                        sharing_published=settings.consumable),
                              WriteScheduler(debounce_s, min_interval_s, self._backoff, clock()), client_factory,
                              time.time, label=LABEL, log=log)
-        self._gpus: list[Gpu] = []
-        self._statuses: dict[str, DeviceStatus] = {}
+        self._devices: list[PublishedDevice] = []
         self._current: dict[str, Any] | None = None  # the server's copy, from our last read or write
         self._need_read = True
         self._need_node = not settings.node_uid  # the Node's UID, so the Node owns the slice
@@ -133,8 +135,8 @@ class SliceWriter(PacedWriter[SliceWriterStatus, SliceApi], OutletThread):
         if snap.version == 0:
             return math.inf  # nothing published yet: writing now would empty the pool of a restarting node
         if snap.version != self._version:
-            self._gpus = [d.gpu for d in snap.devices if d.mig is None]
-            self._statuses = gpu_statuses(snap.devices)
+            # A MIG layout change is a new snapshot like any other: the devices follow, and the write with them.
+            self._devices = published_devices(snap.devices, self.settings.mig_strategy)
             self._version = snap.version
         retry_at = self._connect(now)
         if retry_at is not None:
@@ -159,7 +161,7 @@ class SliceWriter(PacedWriter[SliceWriterStatus, SliceApi], OutletThread):
         return self._resync.is_set()  # resync_now: wake the thread, whose wait otherwise ends only on a snapshot
 
     def _desired(self) -> dict[str, Any]:
-        return desired_slice(self._gpus, self._statuses, self.settings)
+        return resource_slice(self._devices, self.settings)
 
     def _check_pending(self, now: float) -> None:
         if self._need_read:
@@ -208,6 +210,8 @@ class SliceWriter(PacedWriter[SliceWriterStatus, SliceApi], OutletThread):
             self._current = stored
             if taints_dropped(body, stored):
                 self._taints_off()  # the slice without the tainted devices is due in this same step
+            if self.settings.consumable and sharing_dropped(body, stored):
+                self._sharing_off()  # the plain slice is due in this same step
             return False
 
         try:
@@ -260,6 +264,14 @@ class SliceWriter(PacedWriter[SliceWriterStatus, SliceApi], OutletThread):
                     "recover, and only the health stream carries device health", LABEL, self.name)
         self.settings = replace(self.settings, taints=False)
         self._update(taints_published=False)
+
+    def _sharing_off(self) -> None:
+        log.warning("%s: the API server dropped allowMultipleAllocations from ResourceSlice %s: the "
+                    "DRAConsumableCapacity feature gate is off on this cluster, so the GPUs the sharing section names "
+                    "are published as plain devices, one claim each; pods share one by naming the same "
+                    "ResourceClaim (docs/dra.md, \"Shared GPUs\")", LABEL, self.name)
+        self.settings = replace(self.settings, consumable=False)
+        self._update(sharing_published=False)
 
     # Uninstall ------------------------------------------------------------------------------------------------
 

@@ -32,14 +32,21 @@ def mig_prefix(resource_name: str) -> str:
     return resource_name.split("/")[0] + "/mig-"
 
 
+def mig_resource(resource_name: str, profile: str) -> str:
+    """The resource of a MIG profile's instances: nvidia.com/mig-1g.10gb. A ``+`` (the media-extension profiles,
+    ``1g.10gb+me``) is no character of a resource name, and the kubelet would refuse the whole registration, so it
+    becomes ``.`` as NVIDIA's plugin and our DRA DeviceClasses name it: nvidia.com/mig-1g.10gb.me."""
+    return mig_prefix(resource_name) + profile.replace("+", ".")
+
+
 def base_pools(resource_name: str, mig_strategy: str, profiles: Sequence[str]) -> list[tuple[str, str]]:
     """(resource name, pool) for each resource the MIG strategy produces, before any sharing."""
     if mig_strategy == "none":
         return [(resource_name, POOL_ALL_GPUS)]
     if mig_strategy == "single":
         return [(resource_name, POOL_SINGLE)]
-    prefix = mig_prefix(resource_name)
-    return [(resource_name, POOL_UNPARTITIONED)] + [(prefix + p, mig_pool(p)) for p in sorted(set(profiles))]
+    return [(resource_name, POOL_UNPARTITIONED)] + [(mig_resource(resource_name, p), mig_pool(p))
+                                                     for p in sorted(set(profiles))]
 
 
 def profiles_of(gpus: Sequence[Gpu]) -> list[str]:

@@ -46,6 +46,7 @@ from plugin.health.reasons import KubeletHealth, State
 from plugin.validation import FieldError
 from scripts import helm as helm_build
 from tests.artifacts.test_manifests import _plugin_config, find, policy_condition_type, render, strict_problems
+from tests.artifacts.test_manifests_dra import GPU_SELECTOR
 from tests.conformance.apiserver import _binaries as binaries
 from tests.conformance.skips import build_or_skip
 
@@ -453,8 +454,9 @@ def test_every_dra_chart_object_validates_strictly(helm: Path, version: str) -> 
     objects, checked = _strictly_valid(helm, DRA_RENDERINGS, version)
     # dra-all-on's ServiceMonitor and PrometheusRule.
     assert len(objects) - len(checked) == 2
-    # Each rendering has the DeviceClass: the kind only mode: dra brings.
-    assert sorted(r for r, o in checked if o["kind"] == "DeviceClass") == sorted(DRA_RENDERINGS)
+    # Each rendering has the whole-GPU DeviceClass: the kind only mode: dra brings.
+    assert sorted(r for r, o in checked if o["kind"] == "DeviceClass" and o["metadata"]["name"] == DRIVER) == sorted(
+        DRA_RENDERINGS)
 
 
 def test_prometheus_objects_fit_the_plugin(helm: Path) -> None:
@@ -489,20 +491,32 @@ def _refusal(helm: Path, sets: Iterable[str], kube_version: str = "1.37.0") -> s
 SURGE = "updateStrategy.rollingUpdate.maxSurge=10%,updateStrategy.rollingUpdate.maxUnavailable=0"
 # (a value, the mode that refuses it, the whole line it is refused with). The other mode takes each.
 MODE_REFUSALS = [
-    ("migStrategy=mixed", "dra", "migStrategy: mixed is device-plugin mode's; mode: dra publishes whole GPUs only "
-     "(none)"),
-    ("sharing.timeSlicing.resources[0].name=nvidia.com/gpu,sharing.timeSlicing.resources[0].replicas=2", "dra",
-     "sharing: time-slicing is device-plugin mode's; mode: dra does not share GPUs (remove the sharing section)"),
+    ("migStrategy=single", "dra", "migStrategy: single is device-plugin mode's; in mode: dra use mixed: every MIG "
+     "instance is then a device of its own, which the classes mig.gpu-health.io and mig-<profile>.gpu-health.io "
+     "select"),
+    ("sharing.timeSlicing.resources[0].name=nvidia.com/gpu,sharing.timeSlicing.resources[0].replicas=2,"
+     "sharing.timeSlicing.resources[0].rename=nvidia.com/gpu.shared", "dra",
+     "sharing.timeSlicing.resources[0].rename: mode: dra keeps a shared GPU's name and class, a claim asks for a "
+     "share of it (docs/dra.md, \"Shared GPUs\"); remove it"),
+    ("sharing.timeSlicing.resources[0].name=nvidia.com/gpu,sharing.timeSlicing.resources[0].replicas=2,"
+     "sharing.timeSlicing.failRequestsGreaterThanOne=true", "dra",
+     "sharing.timeSlicing.failRequestsGreaterThanOne: in mode: dra a claim takes one share unless it asks for more, "
+     "never more than replicas; remove it"),
+    ("sharing.timeSlicing.resources[0].name=nvidia.com/gpu,sharing.timeSlicing.resources[0].replicas=2,"
+     "sharing.timeSlicing.allocationPolicy=packed", "dra",
+     "sharing.timeSlicing.allocationPolicy: in mode: dra the scheduler places claims on shared GPUs; remove it or "
+     "set distributed"),
     ("cdi.enabled=true", "dra", "cdi.enabled: CDI names from Allocate are device-plugin mode's; mode: dra always "
      "hands GPUs over through CDI specs (hostPaths.cdiSpecs)"),
     ("remediation.enabled=true", "dra", "remediation.enabled: evicting the pods of a failing GPU is device-plugin "
      "mode's (it finds them through PodResources); in mode: dra use plugin.draUnhealthyTaintEffect: NoExecute"),
     (SURGE, "dra", "updateStrategy.rollingUpdate.maxSurge: a surge rollout (--handover) is device-plugin mode's; in "
      "mode: dra two plugins on a node would both write its ResourceSlice and prepare claims: keep maxSurge 0"),
-    ("plugin.resourceName=example.com/gpu", "dra", "plugin.resourceName is device-plugin mode's; mode: dra has no "
-     "extended resource and no pod correlation (pod status carries each device's health)"),
-    ("plugin.correlateOn=Unhealthy", "dra", "plugin.correlateOn is device-plugin mode's; mode: dra has no extended "
-     "resource and no pod correlation (pod status carries each device's health)"),
+    ("plugin.resourceName=example.com/gpu", "dra", "plugin.resourceName is device-plugin mode's; in mode: dra the "
+     "DeviceClass gpu.gpu-health.io names the extended resource (dra.extendedResourceName)"),
+    ("plugin.correlateOn=Unhealthy", "dra", "plugin.correlateOn is device-plugin mode's; mode: dra has no pod "
+     "correlation (the scheduler keeps pods off tainted devices, and a claim's pod status carries each device's "
+     "health)"),
     ("plugin.draDegradedHealth=Unhealthy", "device-plugin", "plugin.draDegradedHealth is mode: dra's; this release "
      "is mode: device-plugin"),
     ("plugin.draDegradedTaint=false", "device-plugin", "plugin.draDegradedTaint is mode: dra's; this release is "
@@ -559,9 +573,14 @@ def test_dra_rendering_runs_the_plugin_in_dra_mode_on_the_mounted_paths(
                               ("plugins-registry", "pluginsRegistry", cfg.dra_registry_dir),
                               ("cdi", "cdiSpecs", cfg.cdi_spec_dir)):
         assert mounts[volume] == host[volume] == str(path) == values["hostPaths"][key], volume
-    # The DeviceClass selects the driver the plugin publishes its slice for.
-    assert find(chart, "DeviceClass", DRIVER)["spec"]["selectors"] == [
-        {"cel": {"expression": f'device.driver == "{DRIVER}"'}}]
+    # The DeviceClass selects the whole GPUs of the driver the plugin publishes its slice for.
+    assert find(chart, "DeviceClass", DRIVER)["spec"]["selectors"] == [{"cel": {"expression": GPU_SELECTOR}}]
+
+
+def test_dra_mode_takes_mig_strategy_mixed_and_the_plugin_loads_it(helm: Path, tmp_path: Path) -> None:
+    # mixed publishes each MIG instance as a device of its own, which the mig classes select.
+    cfg, _ = _plugin_config(helm_template(helm, sets=("mode=dra", "migStrategy=mixed")), tmp_path)
+    assert (cfg.mode, cfg.mig_strategy) == ("dra", "mixed")
 
 
 # helm lint ------------------------------------------------------------------------------------------------------
@@ -608,6 +627,21 @@ def test_health_and_sharing_values_reach_the_plugin(helm: Path, tmp_path: Path) 
     assert 43 in cfg.health.ignored_xids
     assert cfg.health.kubelet_health[State.DEGRADED] == KubeletHealth.UNHEALTHY
     assert [(r.name, r.replicas) for r in cfg.sharing.resources] == [("nvidia.com/gpu", 4)]
+
+
+def test_sharing_and_mixed_mig_in_dra_mode_reach_the_plugin_which_takes_them(helm: Path, tmp_path: Path) -> None:
+    """mode: dra shares GPUs in place (docs/dra.md, "Shared GPUs"): the chart passes the section on and the
+    plugin, loading the rendered config as the container does, accepts it in DRA mode."""
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump({
+        "mode": "dra", "migStrategy": "mixed",
+        "sharing": {"timeSlicing": {"resources": [{"name": "nvidia.com/gpu", "replicas": 4, "devices": [0, 1]},
+                                                  {"name": "nvidia.com/mig-1g.10gb", "replicas": 2}]}},
+    }))
+    cfg, _ = _plugin_config(helm_template(helm, [values]), tmp_path)
+    assert (cfg.mode, cfg.mig_strategy) == ("dra", "mixed")
+    assert [(r.name, r.replicas) for r in cfg.sharing.resources] == [("nvidia.com/gpu", 4),
+                                                                      ("nvidia.com/mig-1g.10gb", 2)]
 
 
 def test_bad_health_value_is_refused(helm: Path, tmp_path: Path) -> None:

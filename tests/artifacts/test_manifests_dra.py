@@ -10,6 +10,7 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+import yaml
 
 from plugin.dra.slices import DRIVER
 from scripts.localcluster import cluster as lc
@@ -31,6 +32,30 @@ from tests.artifacts.test_manifests import (
 __all__ = ["kubectl"]
 
 DRA_VERSION = "1.37.0"  # resource.k8s.io/v1 is GA from 1.34; the schemas checked are the conformance server's
+
+# The DeviceClasses of components/dra and of the chart (tests/artifacts/test_dra_device_classes.py checks them all).
+# The type attribute is read with a fallback: a device of a plugin older than it is a whole GPU, where a bare .type
+# would be a CEL error that aborts the scheduling of the class's pods.
+MIG_CLASS = "mig.gpu-health.io"
+_TYPE = f'device.attributes["{DRIVER}"].?type.orValue("gpu")'
+GPU_SELECTOR = f'device.driver == "{DRIVER}" && {_TYPE} == "gpu"'
+MIG_SELECTOR = f'device.driver == "{DRIVER}" && {_TYPE} == "mig"'
+# The chart's default profile list, which components/dra ships classes for too.
+CHART_VALUES = Path(__file__).resolve().parents[2] / "charts" / "gpu-health-device-plugin" / "values.yaml"
+DEFAULT_PROFILES: list[str] = yaml.safe_load(CHART_VALUES.read_text())["dra"]["migProfiles"]
+
+
+def profile_selector(profile: str) -> str:
+    return f'{MIG_SELECTOR} && device.attributes["{DRIVER}"].?profile.orValue("") == "{profile}"'
+
+
+def profile_class(profile: str) -> str:
+    """The documented mapping: a `+` (no name may hold one) becomes `.`, as NVIDIA's plugin names the resource."""
+    return f"mig-{profile.replace('+', '.')}.gpu-health.io"
+
+
+def profile_resource(profile: str, domain: str = "nvidia.com") -> str:
+    return f"{domain}/mig-{profile.replace('+', '.')}"
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +98,9 @@ _OPERATION = {"create": "CREATE", "update": "UPDATE", "patch": "UPDATE", "delete
 def test_the_device_class_selects_the_driver_and_the_grants_are_narrow(
         rendered: dict[str, list[dict[str, Any]]]) -> None:
     objs = rendered["dra"]
+    # Whole GPUs of the driver; every class in detail: tests/artifacts/test_dra_device_classes.py.
     dc = find(objs, "DeviceClass", DRIVER)
-    assert dc["spec"]["selectors"] == [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}]
+    assert dc["spec"]["selectors"] == [{"cel": {"expression": GPU_SELECTOR}}]
     rules = find(objs, "ClusterRole", f"{NAME}-dra")["rules"]
     granted = {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
     assert granted == {("resource.k8s.io", "resourceslices", v) for v in ("get", "create", "update", "delete")} | {
@@ -111,7 +137,8 @@ def test_only_the_mode_mounts_and_grants_are_added(rendered: dict[str, list[dict
                                                    against: str) -> None:
     over, base = rendered[overlay], rendered[against]
     added = kinds(over) - kinds(base)
-    assert added == {("DeviceClass", DRIVER), ("ClusterRole", f"{NAME}-dra"), ("ClusterRoleBinding", f"{NAME}-dra")}
+    device_classes = {("DeviceClass", name) for name in [DRIVER, MIG_CLASS, *map(profile_class, DEFAULT_PROFILES)]}
+    assert added == device_classes | {("ClusterRole", f"{NAME}-dra"), ("ClusterRoleBinding", f"{NAME}-dra")}
     # local-cluster carries the node condition; DRA mode's overlay does not, which is its only other difference.
     ds = copy.deepcopy(find(over, "DaemonSet", NAME))
     want = copy.deepcopy(find(base, "DaemonSet", NAME))

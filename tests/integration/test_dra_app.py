@@ -140,6 +140,51 @@ def test_dra_mode_serves_the_kubelet_through_dra_only_and_is_ready_once_register
     assert not any(name.startswith("gpu_health_listandwatch") for name, _ in m)  # no device-plugin servers here
 
 
+def test_mig_strategy_mixed_reaches_the_slice_prepare_and_the_health_stream(short_socket_dir: Path,
+                                                                           dev_root: Path) -> None:
+    """--mig-strategy mixed as ``run`` wires it: GPU 1's seven instances are the devices of the health stream (from
+    the real monitor, its fault theirs), the slice writer and Prepare judge under the same strategy."""
+    root = short_socket_dir
+    node = NodeFile(root / "node.json")
+    parent = node.doc["gpus"][1]["uuid"]
+    node.doc["gpus"][1]["mig_devices"] = [
+        {"uuid": f"MIG-{gi:08d}-1111-4000-8000-000000000001", "gpu_instance_id": gi, "profile": "1g.10gb",
+         "memory_mib": 9856} for gi in range(7, 14)]
+    node.write()
+    kubeconfig = write_kubeconfig(root / "kubeconfig", f"http://127.0.0.1:{_free_port()}")
+    flags = {"mode": "dra", "backend": "simulated", "simulated_node": str(node.path), "node_name": "gpu-node-1",
+             "kubeconfig": str(kubeconfig), "state_dir": str(root / "state"), "dev_root": str(dev_root),
+             "dra_plugin_dir": str(root / "plugins" / DRIVER), "dra_registry_dir": str(root / "registry"),
+             "cdi_spec_dir": str(root / "cdi"), "poll_interval": "0.1", "metrics_address": "off",
+             "annotations": "false", "events": "false", "mig_strategy": "mixed"}
+    a = App(load(flags, {}, None))
+    a.start()
+    try:
+        assert a.dra is not None and a.dra.slice_writer.settings.mig_strategy == "mixed"
+        instances = [f"gpu-1-mig-{gi}-0" for gi in range(7, 14)]
+        with grpc.insecure_channel(f"unix://{root / 'plugins' / DRIVER / 'dra.sock'}") as ch:
+            stream = h_grpc.DRAResourceHealthStub(ch).NodeWatchResources(h_pb2.NodeWatchResourcesRequest(),
+                                                                         timeout=20)
+            first = next(stream)
+            assert [d.device.device_name for d in first.devices] == ["gpu-0", *instances,
+                                                                    *(f"gpu-{i}" for i in range(2, 8))]
+            node.set(1, xid_events=[79])
+            for report in stream:
+                got = {d.device.device_name: d for d in report.devices}
+                if got[instances[0]].health == h_pb2.UNHEALTHY:
+                    assert all(got[n].health == h_pb2.UNHEALTHY and got[n].message.startswith("xid-79")
+                               for n in instances)
+                    assert got["gpu-0"].health == got["gpu-2"].health == h_pb2.HEALTHY
+                    break
+            stream.cancel()
+        published = a.dra.driver._devices_by_name(a.dra.slice_writer.settings)
+        assert sorted(published) == sorted(["gpu-0", *instances, *(f"gpu-{i}" for i in range(2, 8))])
+        assert {d.gpu.uuid for n, d in published.items() if n in instances} == {parent}
+    finally:
+        a.stop.set()
+        a.shutdown()
+
+
 def test_a_checkpoint_from_a_newer_plugin_stops_the_start_with_one_line(short_socket_dir: Path,
                                                                         dev_root: Path) -> None:
     """A downgrade must not forget what a newer plugin prepared: the start is refused, exit 2, naming the file and
@@ -166,3 +211,30 @@ def test_a_checkpoint_from_a_newer_plugin_stops_the_start_with_one_line(short_so
     assert checkpoint.read_text() == text and sorted(p.name for p in checkpoint.parent.iterdir()) == [
         "dra-checkpoint.json", "plugin.lock"]
     assert not (root / "reg" / f"{DRIVER}-reg.sock").exists()
+
+
+def test_the_sharing_section_reaches_the_slice_as_run_wires_it(short_socket_dir: Path, dev_root: Path) -> None:
+    """The config file's sharing section, loaded as ``run`` loads it, gives the slice writer's GPU 3 three claims."""
+    from plugin.dra.slices import published_devices, resource_slice
+    root = short_socket_dir
+    node = NodeFile(root / "node.json")
+    cfg_file = root / "config.yaml"
+    cfg_file.write_text("version: v1\nsharing:\n  timeSlicing:\n    resources:\n"
+                        "      - name: nvidia.com/gpu\n        replicas: 3\n        devices: [3]\n")
+    kubeconfig = write_kubeconfig(root / "kubeconfig", f"http://127.0.0.1:{_free_port()}")
+    flags = {"mode": "dra", "backend": "simulated", "simulated_node": str(node.path), "node_name": "gpu-node-1",
+             "kubeconfig": str(kubeconfig), "state_dir": str(root / "state"), "dev_root": str(dev_root),
+             "dra_plugin_dir": str(root / "plugins" / DRIVER), "dra_registry_dir": str(root / "registry"),
+             "cdi_spec_dir": str(root / "cdi"), "poll_interval": "0.1", "metrics_address": "off",
+             "annotations": "false", "events": "false"}
+    a = App(load(flags, {}, cfg_file))
+    a.start()
+    try:
+        assert a.dra is not None
+        settings = a.dra.slice_writer.settings
+        devices = resource_slice(published_devices(a.state.snapshot().devices), settings)["spec"]["devices"]
+        assert {d["name"]: d["capacity"][f"{DRIVER}/shares"]["value"]
+                for d in devices if d.get("allowMultipleAllocations")} == {"gpu-3": "3"}
+    finally:
+        a.stop.set()
+        a.shutdown()

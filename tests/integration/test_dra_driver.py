@@ -9,6 +9,7 @@ import json
 import uuid
 from collections.abc import Iterator
 from concurrent import futures
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +19,14 @@ import pytest
 from api.dra.v1 import api_pb2, api_pb2_grpc
 from api.dra.v1beta1 import api_pb2 as beta_pb2
 from api.dra.v1beta1 import api_pb2_grpc as beta_grpc
+from plugin.devices.model import MigDevice
 from plugin.dra import driver as dra
 from plugin.dra.checkpoint import Checkpoint
+from plugin.dra.slices import SliceSettings
 from plugin.health.node_state import NodeState
 from plugin.health.reasons import State
 from plugin.kube.errors import ApiFailure
-from tests.fakes.node_devices import Node
+from tests.fakes.node_devices import Node, status
 
 NODE = "gpu-node-1"
 DRIVER = "gpu.gpu-health.io"
@@ -78,10 +81,11 @@ class Plugin:
         self.driver: dra.Driver | None = None
         self.channel: grpc.Channel | None = None
 
-    def start(self, allow_unhealthy: bool = False) -> None:
+    def start(self, allow_unhealthy: bool = False, mig_strategy: str = "none") -> None:
         self.stop()
+        settings = SliceSettings(node_name=NODE, mig_strategy=mig_strategy)
         self.driver = dra.Driver(self.state, self.api, NODE, self.cdi_dir, self.state_dir, self.dev_dir,
-                                 allow_unhealthy=allow_unhealthy)
+                                 allow_unhealthy=allow_unhealthy, slice_settings=lambda: settings)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
         dra.add_dra_services(self.server, self.driver)
         self.server.add_insecure_port(f"unix://{self.socket}")
@@ -338,3 +342,176 @@ def test_parallel_batches_keep_every_claim(plugin: Plugin) -> None:
     assert sorted(plugin.api.calls) == sorted(("ns", f"c{i}") for i in range(8))
     assert set(plugin.checkpoint()) == {uid(str(i)) for i in range(8)}
     assert len(list(plugin.cdi_dir.iterdir())) == 8
+
+
+# MIG instances (--mig-strategy mixed) -----------------------------------------------------------------------------
+
+def mig_layout(plugin: Plugin, index: int, migs: tuple[MigDevice, ...], now: float = T0) -> None:
+    """GPU ``index`` with exactly these MIG instances (none: not in MIG mode), each healthy, as discovery and the
+    monitor publish a layout change."""
+    old = plugin.node.gpus[index]
+    for m in old.mig_devices:
+        plugin.node.current.pop(m.uuid, None)
+    g = replace(old, mig_devices=migs)
+    plugin.node.gpus[index] = g
+    plugin.node.current[g.uuid] = status(g, since=now)
+    for m in migs:
+        plugin.node.current[m.uuid] = status(g, since=now, mig=m)
+    plugin.node.publish(now)
+
+
+def instance(index: int, gi: int, ci: int = 0) -> MigDevice:
+    return MigDevice(uuid=f"MIG-{index:04d}{gi:04d}-{ci:04d}-4000-8000-{gi:012d}",
+                     parent_uuid=f"GPU-{index:08d}-aaaa-bbbb-cccc-{index:012d}", gpu_instance_id=gi,
+                     compute_instance_id=ci, profile="1g.10gb", memory_mib=9856)
+
+
+@pytest.fixture
+def mig_plugin(plugin: Plugin) -> Plugin:
+    """GPU 0 with three 1g.10gb instances and GPU 1 with two, the other six whole; the driver under mixed."""
+    mig_layout(plugin, 0, (instance(0, 1), instance(0, 2), instance(0, 3)))
+    mig_layout(plugin, 1, (instance(1, 7), instance(1, 8)))
+    plugin.start(mig_strategy="mixed")
+    return plugin
+
+
+def test_prepare_of_mig_instances_hands_each_its_gpus_node_and_names_the_instances(mig_plugin: Plugin) -> None:
+    p = mig_plugin
+    claim = uid("mig")
+    p.api.add("ns", "mig", claim, [ours("gpu-0-mig-2-0"), ours("gpu-1-mig-7-0"), ours("gpu-3")])
+    resp = p.prepare(("ns", claim, "mig"))
+    assert resp.claims[claim].error == ""
+    assert devices(resp, claim) == [(["gpus"], NODE, n, [f"gpu.gpu-health.io/gpu={claim}-{n}"])
+                                    for n in ("gpu-0-mig-2-0", "gpu-1-mig-7-0", "gpu-3")]
+    spec = json.loads(p.spec_path(claim).read_text())
+    dev = p.dev_dir
+    # Each instance its own CDI device with its parent's /dev/nvidia<minor> (an instance has none of its own);
+    # the control nodes once for the claim, as for whole GPUs; no capability nodes, as device-plugin mode.
+    assert {d["name"]: [(n["path"], n["hostPath"]) for n in d["containerEdits"]["deviceNodes"]]
+            for d in spec["devices"]} == {f"{claim}-gpu-0-mig-2-0": [("/dev/nvidia0", f"{dev}/nvidia0")],
+                                          f"{claim}-gpu-1-mig-7-0": [("/dev/nvidia1", f"{dev}/nvidia1")],
+                                          f"{claim}-gpu-3": [("/dev/nvidia3", f"{dev}/nvidia3")]}
+    assert [n["path"] for n in spec["containerEdits"]["deviceNodes"]] == ["/dev/nvidiactl", "/dev/nvidia-uvm"]
+    # The runtime hands the container the instances, not their GPUs.
+    g3 = p.node.gpus[3].uuid
+    assert spec["containerEdits"]["env"] == [
+        f"NVIDIA_VISIBLE_DEVICES={instance(0, 2).uuid},{instance(1, 7).uuid},{g3}"]
+    entry = p.checkpoint()[claim]
+    assert [(d["device"], d["uuid"], d["minor"], d.get("parent_uuid")) for d in entry["devices"]] == [
+        ("gpu-0-mig-2-0", instance(0, 2).uuid, 0, p.node.gpus[0].uuid),
+        ("gpu-1-mig-7-0", instance(1, 7).uuid, 1, p.node.gpus[1].uuid),
+        ("gpu-3", g3, 3, None)]
+    out = p.unprepare(("ns", claim, "mig"))
+    assert out.claims[claim].error == "" and not p.spec_path(claim).exists() and p.checkpoint() == {}
+
+
+def test_a_gpu_published_as_instances_and_an_instance_under_none_are_no_devices_of_the_node(
+        mig_plugin: Plugin) -> None:
+    p = mig_plugin
+    p.api.add("ns", "whole", uid("whole"), [ours("gpu-0")])
+    err = p.prepare(("ns", uid("whole"), "whole")).claims[uid("whole")].error
+    assert err == f"ResourceClaim ns/whole: device 'gpu-0' is not a GPU or MIG instance of node {NODE}"
+    p.start(mig_strategy="none")  # the same node published whole: now gpu-0 is a device and its instances not
+    p.api.add("ns", "inst", uid("inst"), [ours("gpu-0-mig-1-0")])
+    assert "'gpu-0-mig-1-0' is not a GPU or MIG instance" in p.prepare(("ns", uid("inst"), "inst")).claims[
+        uid("inst")].error
+    assert p.prepare(("ns", uid("whole"), "whole")).claims[uid("whole")].error == ""
+    assert p.driver is not None and p.driver.result_counts()[("prepare", "not-ours")] == 1
+
+
+def test_a_fault_of_the_gpu_refuses_claims_on_its_instances_naming_the_instance(mig_plugin: Plugin) -> None:
+    p = mig_plugin
+    g0 = p.node.gpus[0]
+    # As the monitor publishes it: the GPU's fault is every instance's.
+    p.node.current[g0.uuid] = status(g0, State.UNHEALTHY, "xid-79", since=T0 + 1)
+    for m in g0.mig_devices:
+        p.node.current[m.uuid] = status(g0, State.UNHEALTHY, "xid-79", since=T0 + 1, mig=m)
+    p.node.publish(T0 + 1)
+    p.api.add("ns", "bad", uid("bad"), [ours("gpu-0-mig-3-0")])
+    p.api.add("ns", "good", uid("good"), [ours("gpu-1-mig-8-0")])
+    resp = p.prepare(("ns", uid("bad"), "bad"), ("ns", uid("good"), "good"))
+    bad = resp.claims[uid("bad")]
+    assert not bad.devices and bad.error == (
+        f"ResourceClaim ns/bad: device 'gpu-0-mig-3-0' ({instance(0, 3).uuid}) is Unhealthy (xid-79); the claim "
+        "does not tolerate its taint gpu-health.io/unhealthy=xid-79:NoSchedule; refusing to prepare it")
+    assert resp.claims[uid("good")].error == ""
+    assert set(p.checkpoint()) == {uid("good")}
+
+
+def test_a_mig_layout_change_keeps_prepared_claims_until_the_kubelet_unprepares_them(mig_plugin: Plugin) -> None:
+    p = mig_plugin
+    claim = uid("before")
+    p.api.add("ns", "before", claim, [ours("gpu-0-mig-1-0")])
+    want = devices(p.prepare(("ns", claim, "before")), claim)
+    spec = p.spec_path(claim).read_text()
+    # GPU 0's instances are destroyed and one larger one made in their place.
+    bigger = replace(instance(0, 5), profile="4g.40gb", memory_mib=40192)
+    mig_layout(p, 0, (bigger,), now=T0 + 60)
+    # The kubelet asks again (its restart): the claim is still prepared, as it was, without the API server.
+    assert devices(p.prepare(("ns", claim, "before")), claim) == want
+    assert p.spec_path(claim).read_text() == spec and set(p.checkpoint()) == {claim}
+    assert p.api.calls == [("ns", "before")]
+    # A claim allocated the destroyed instance (before the slice moved on) is not prepared: nothing to hand over.
+    p.api.add("ns", "late", uid("late"), [ours("gpu-0-mig-1-0")])
+    late = p.prepare(("ns", uid("late"), "late")).claims[uid("late")]
+    assert not late.devices and "device 'gpu-0-mig-1-0' is not a GPU or MIG instance" in late.error
+    p.api.add("ns", "new", uid("new"), [ours("gpu-0-mig-5-0")])
+    assert p.prepare(("ns", uid("new"), "new")).claims[uid("new")].error == ""
+    assert p.checkpoint()[uid("new")]["devices"][0]["uuid"] == bigger.uuid
+    assert p.driver is not None and p.driver.result_counts()[("prepare", "not-ours")] == 1
+    # After a plugin restart too, the old claim unprepares: its spec and checkpoint entry go.
+    p.start(mig_strategy="mixed")
+    assert p.unprepare(("ns", claim, "before")).claims[claim].error == ""
+    assert not p.spec_path(claim).exists() and set(p.checkpoint()) == {uid("new")}
+
+
+def shared(device: str, share: str, request: str = "gpus") -> dict[str, Any]:
+    """An allocation result of a device the slice lets several claims hold: the scheduler gives each its shareID."""
+    return {**ours(device, request), "shareID": share,
+            "consumedCapacity": {f"{DRIVER}/shares": "1", f"{DRIVER}/memory": "0"}}
+
+
+def test_two_claims_on_one_shared_gpu_each_get_it_with_their_share_id(plugin: Plugin) -> None:
+    a, b = uid("share-a"), uid("share-b")
+    sa, sb = "1f0c2b7e-0000-4000-8000-00000000000a", "1f0c2b7e-0000-4000-8000-00000000000b"
+    plugin.api.add("ns", "a", a, [shared("gpu-4", sa)])
+    plugin.api.add("ns", "b", b, [shared("gpu-4", sb)])
+    resp = plugin.prepare(("ns", a, "a"), ("ns", b, "b"))
+    assert {u: c.error for u, c in resp.claims.items()} == {a: "", b: ""}
+    assert [d.share_id for d in resp.claims[a].devices] == [sa] and [d.share_id for d in resp.claims[b].devices] == [sb]
+    # Both containers see the same GPU, each through its own claim's CDI device.
+    g4 = plugin.node.gpus[4].uuid
+    for u in (a, b):
+        spec = json.loads(plugin.spec_path(u).read_text())
+        assert spec["containerEdits"]["env"] == [f"NVIDIA_VISIBLE_DEVICES={g4}"]
+        assert [d["name"] for d in spec["devices"]] == [f"{u}-gpu-4"]
+    # The share survives a plugin restart: a repeated prepare answers it from the checkpoint.
+    plugin.start()
+    again = plugin.prepare(("ns", a, "a"))
+    assert [d.share_id for d in again.claims[a].devices] == [sa]
+    assert plugin.checkpoint()[a]["devices"][0]["share_id"] == sa
+    # One claim unprepared leaves the other's prepared.
+    assert plugin.unprepare(("ns", a, "a")).claims[a].error == ""
+    assert set(plugin.checkpoint()) == {b} and plugin.spec_path(b).exists()
+
+
+def test_two_shares_of_one_gpu_in_one_claim_are_two_devices_to_the_kubelet_and_one_to_the_container(
+        plugin: Plugin) -> None:
+    c = uid("two-shares")
+    s1, s2 = "2e0c2b7e-0000-4000-8000-000000000001", "2e0c2b7e-0000-4000-8000-000000000002"
+    plugin.api.add("ns", "c", c, [shared("gpu-6", s1, "first"), shared("gpu-6", s2, "second")])
+    resp = plugin.prepare(("ns", c, "c"))
+    assert resp.claims[c].error == ""
+    assert [(list(d.request_names), d.device_name, d.share_id) for d in resp.claims[c].devices] == [
+        (["first"], "gpu-6", s1), (["second"], "gpu-6", s2)]
+    spec = json.loads(plugin.spec_path(c).read_text())
+    assert [d["name"] for d in spec["devices"]] == [f"{c}-gpu-6"]
+    assert spec["containerEdits"]["env"] == [f"NVIDIA_VISIBLE_DEVICES={plugin.node.gpus[6].uuid}"]
+
+
+def test_a_v1beta1_kubelet_gets_a_shared_gpu_without_the_share_id_it_has_no_field_for(plugin: Plugin) -> None:
+    c = uid("beta-share")
+    plugin.api.add("ns", "c", c, [shared("gpu-2", "3e0c2b7e-0000-4000-8000-000000000001")])
+    resp = plugin.beta.NodePrepareResources(beta_pb2.NodePrepareResourcesRequest(
+        claims=[beta_pb2.Claim(namespace="ns", uid=c, name="c")]), timeout=10)
+    assert devices(resp, c) == [(["gpus"], NODE, "gpu-2", [f"gpu.gpu-health.io/gpu={c}-gpu-2"])]

@@ -23,11 +23,14 @@ import pytest
 
 from plugin.devices.memory import INFLIGHT
 from plugin.devices.nvml import NvmlBackend
+from plugin.dra import health as dra_health
+from plugin.dra import slices as rs
+from plugin.dra.health import HealthSettings, device_health
 from plugin.health.config import HealthConfig
 from plugin.health.monitor import Monitor
 from plugin.health.node_state import NodeState, Snapshot
 from plugin.health.policy import xid_class
-from plugin.health.reasons import REASONS, SPECS, Action, ReasonSpec, Source, State, xid_spec
+from plugin.health.reasons import REASONS, SPECS, Action, KubeletHealth, ReasonSpec, Source, State, xid_spec
 from tests.fakes import nvml_standin as standin
 from tests.fakes.nvml_standin import StandinNode
 
@@ -193,6 +196,31 @@ def assert_row(row: Row, snap: Snapshot, uuids: list[str], target: int = TARGET)
     assert [d.state for d in snap.devices if d.id != uuids[target]] == [State.HEALTHY] * (len(uuids) - 1)
 
 
+def assert_dra_scores_the_same(row: Row, snap: Snapshot, uuids: list[str], target: int = TARGET) -> None:
+    """The same snapshot as DRA mode publishes it (issue 38, "the fault catalog run in DRA mode scores as in
+    device-plugin mode"): the target's taint is keyed by its state and valued with the row's code; a claim that
+    tolerates nothing may be allocated exactly the devices device-plugin mode calls Healthy to the kubelet; the
+    health stream names the code; the seven others are untainted and Healthy."""
+    settings = rs.SliceSettings(node_name="gpu-node-1")
+    devices = rs.published_devices(snap.devices)
+    published = {e["name"]: e for e in rs.resource_slice(devices, settings)["spec"]["devices"]}
+    reports = {r.device: r for r in device_health(snap, None, HealthSettings(pool="gpu-node-1"))}
+    keys = {State.UNHEALTHY: "unhealthy", State.UNKNOWN: "unknown", State.DEGRADED: "degraded"}
+    stream = {State.UNHEALTHY: dra_health.UNHEALTHY, State.UNKNOWN: dra_health.UNKNOWN,
+              State.DEGRADED: dra_health.HEALTHY}
+    for d in devices:
+        assert d.status is not None
+        # What device-plugin mode tells the kubelet is what DRA lets a claim without tolerations have.
+        assert rs.allocatable(d.status, settings) == (d.status.kubelet_health is KubeletHealth.HEALTHY), row.id
+        taints = published[d.name].get("taints") or []
+        if d.gpu.uuid != uuids[target]:
+            assert taints == [] and reports[d.name].health == dra_health.HEALTHY, (row.id, d.name)
+            continue
+        assert [(t["key"], t["value"]) for t in taints] == [(f"gpu-health.io/{keys[row.state]}",
+                                                            rs.taint_value(row.code))], (row.id, taints)
+        assert reports[d.name].health == stream[row.state] and reports[d.name].message.startswith(f"{row.code}:")
+
+
 # The table --------------------------------------------------------------------------------------------------------
 
 def test_the_table_covers_every_reason_code() -> None:
@@ -238,6 +266,7 @@ def test_reason_end_to_end(tmp_path: Path, row: Row) -> None:
             assert len(events) == wanted and {e.uuid for e in events} == {node.uuids[TARGET]}, events
             monitor.handle_events(events)
         assert_row(row, state.snapshot(), node.uuids)
+        assert_dra_scores_the_same(row, state.snapshot(), node.uuids)
     finally:
         backend.close()
 

@@ -213,10 +213,22 @@ def test_dra_mode_defaults_and_paths() -> None:
 
 @pytest.mark.parametrize(("flags", "env", "text", "named", "says"), [
     ({"mode": "dra"}, {}, None, "--node-name", "needs this node's name"),
-    ({}, {"GPU_HEALTH_MODE": "dra", "NODE_NAME": "n"}, "version: v1\nplugin:\n  migStrategy: mixed\n",
-     "plugin.migStrategy", "whole GPUs only; expected none, got 'mixed'"),
+    ({}, {"GPU_HEALTH_MODE": "dra", "NODE_NAME": "n"}, "version: v1\nplugin:\n  migStrategy: single\n",
+     "plugin.migStrategy", "single is device-plugin mode's; with --mode dra use mixed"),
+    ({"mode": "dra", "node_name": "n", "mig_strategy": "single"}, {}, None, "--mig-strategy",
+     "a claim selects instances by its profile attribute"),
     ({"mode": "dra", "node_name": "n"}, {}, "version: v1\nsharing:\n  timeSlicing:\n    resources:\n"
-     "      - name: nvidia.com/gpu\n        replicas: 4\n", "sharing.timeSlicing", "does not share GPUs"),
+     "      - name: nvidia.com/gpu\n        replicas: 4\n        rename: nvidia.com/gpu.shared\n",
+     "sharing.timeSlicing.resources[0].rename", "keeps a shared GPU's name"),
+    ({"mode": "dra", "node_name": "n"}, {}, "version: v1\nsharing:\n  timeSlicing:\n    renameByDefault: true\n"
+     "    resources:\n      - name: nvidia.com/gpu\n        replicas: 4\n",
+     "sharing.timeSlicing.resources[0].rename", "remove rename (and renameByDefault)"),
+    ({"mode": "dra", "node_name": "n"}, {}, "version: v1\nsharing:\n  timeSlicing:\n    resources:\n"
+     "      - name: nvidia.com/gpu\n        replicas: 4\n        failRequestsGreaterThanOne: true\n",
+     "sharing.timeSlicing.resources[0].failRequestsGreaterThanOne", "never more than replicas"),
+    ({"mode": "dra", "node_name": "n"}, {}, "version: v1\nsharing:\n  timeSlicing:\n    allocationPolicy: packed\n"
+     "    resources:\n      - name: nvidia.com/gpu\n        replicas: 4\n",
+     "sharing.timeSlicing.allocationPolicy", "the scheduler places claims"),
     ({"mode": "dra", "node_name": "n", "dra_unhealthy_taint_effect": "NoExcute"}, {}, None,
      "--dra-unhealthy-taint-effect", "NoSchedule, NoExecute"),
 ])
@@ -227,6 +239,21 @@ def test_dra_mode_refuses_what_it_cannot_do(tmp_path: Path, flags: dict[str, obj
         load(flags, env, f)
     assert err.value.field == named, str(err.value)
     assert says in str(err.value)
+
+
+def test_dra_mode_takes_a_sharing_section_of_replicas_for_gpus_and_mig_profiles(tmp_path: Path) -> None:
+    f = write(tmp_path, "version: v1\nplugin:\n  migStrategy: mixed\nsharing:\n  timeSlicing:\n    resources:\n"
+                        "      - name: nvidia.com/gpu\n        replicas: 4\n        devices: [0, 1]\n"
+                        "      - name: nvidia.com/mig-1g.10gb\n        replicas: 2\n")
+    cfg = load({"mode": "dra", "node_name": "n"}, {}, f)
+    assert [(r.name, r.replicas) for r in cfg.sharing.resources] == [("nvidia.com/gpu", 4),
+                                                                      ("nvidia.com/mig-1g.10gb", 2)]
+
+
+def test_dra_mode_takes_mig_strategies_none_and_mixed() -> None:
+    """none publishes every GPU whole (the default), mixed publishes MIG instances as devices of their own."""
+    for strategy in ("none", "mixed"):
+        assert load({"mode": "dra", "mig_strategy": strategy}, {"NODE_NAME": "gpu-1"}, None).mig_strategy == strategy
 
 
 def test_cli_exits_2_on_dra_mode_without_a_node_name() -> None:

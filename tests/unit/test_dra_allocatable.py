@@ -25,7 +25,7 @@ import yaml
 from plugin.dra import slices as rs
 from plugin.dra.driver import ClaimRef, Driver
 from plugin.dra.health import HealthSettings, device_health
-from plugin.health.node_state import NodeState
+from plugin.health.node_state import DeviceStatus, NodeState
 from plugin.health.reasons import KubeletHealth, State
 from tests.fakes.node_devices import gpu, status
 
@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 NODE = "gpu-node-1"
 T0 = 1_767_225_600.0
 DEV = "gpu-0"
+INSTANCE = "gpu-0-mig-1-0"  # the first MIG instance of gpu(0, migs=...) under --mig-strategy mixed
 CODES = {State.HEALTHY: (), State.DEGRADED: ("thermal-slowdown",), State.UNKNOWN: ("nvml-error",),
          State.UNHEALTHY: ("xid-79",)}
 
@@ -104,8 +105,10 @@ class FakeClaims:
     def __init__(self) -> None:
         self.claims: dict[tuple[str, str], dict[str, Any]] = {}
 
-    def add(self, name: str, uid: str, tolerations: list[dict[str, Any]], device: str = DEV) -> None:
+    def add(self, name: str, uid: str, tolerations: list[dict[str, Any]], device: str = DEV, share: str = "") -> None:
         result: dict[str, Any] = {"request": "gpus", "driver": rs.DRIVER, "pool": NODE, "device": device}
+        if share:
+            result["shareID"] = share  # one of several claims on a device the slice lets several hold
         if tolerations:
             result["tolerations"] = tolerations  # the allocation's copy of the request's tolerations
         self.claims[("ns", name)] = {"metadata": {"name": name, "namespace": "ns", "uid": uid},
@@ -118,31 +121,51 @@ class FakeClaims:
         pass
 
 
-class OneGpu:
-    """A node of one GPU in a given state, its slice as the writer would publish it, and the real driver."""
+# What the one device of the node is: a whole GPU, or (--mig-strategy mixed) the MIG instance of a GPU with one,
+# its state set on the GPU (an instance's status carries its parent's faults, as the monitor builds it) or on the
+# instance alone.
+DEVICES = ("gpu", "instance-by-its-gpu", "instance-alone")
 
-    def __init__(self, root: Path, settings: rs.SliceSettings, allow_unhealthy: bool) -> None:
+
+class OneGpu:
+    """A node of one GPU (or of one MIG instance, ``device``) in a given state, its slice as the writer would
+    publish it, and the real driver."""
+
+    def __init__(self, root: Path, settings: rs.SliceSettings, allow_unhealthy: bool, device: str = "gpu") -> None:
         self.state = NodeState()
-        self.gpu = gpu(0)
-        self.settings = settings
+        self.kind = device
+        self.gpu = gpu(0) if device == "gpu" else gpu(0, migs=1)
+        self.settings = settings if device == "gpu" else replace(settings, mig_strategy="mixed")
+        self.name = DEV if device == "gpu" else INSTANCE
         self.api = FakeClaims()
         self.driver = Driver(self.state, self.api, NODE, root / "cdi", root / "state", str(root / "dev"),
                              allow_unhealthy=allow_unhealthy, slice_settings=lambda: self.settings)
         self.seq = itertools.count()
 
     def set(self, state: State, kubelet: KubeletHealth, now: float = T0) -> None:
-        self.state.publish([replace(status(self.gpu, state, *CODES[state], since=now), kubelet_health=kubelet)], now)
+        faulty = replace(status(self.gpu, state, *CODES[state], since=now), kubelet_health=kubelet)
+        if self.kind == "gpu":
+            self.state.publish([faulty], now)
+            return
+        [mig] = self.gpu.mig_devices
+        own = replace(status(self.gpu, state, *CODES[state], since=now, mig=mig), kubelet_health=kubelet)
+        parent = faulty if self.kind == "instance-by-its-gpu" else status(self.gpu, since=now)
+        self.state.publish([parent, own], now)
+
+    def status(self) -> DeviceStatus:
+        """The status of the published device."""
+        return self.state.snapshot().devices[0 if self.kind == "gpu" else 1]
 
     def slice(self) -> dict[str, Any]:
         snap = self.state.snapshot()
-        return rs.desired_slice([self.gpu], rs.gpu_statuses(snap.devices), self.settings)
+        return rs.desired_slice([self.gpu], rs.device_statuses(snap.devices), self.settings)
 
     def prepare(self, tolerations: list[dict[str, Any]]) -> tuple[bool, str]:
         """Allocate the device to a new claim with ``tolerations`` and ask the driver to prepare it; unprepared
         again at once so the next claim starts from the same node."""
         name = f"c{next(self.seq)}"
         uid = str(uuid.uuid4())
-        self.api.add(name, uid, tolerations)
+        self.api.add(name, uid, tolerations, self.name)
         ref = ClaimRef("ns", uid, name)
         result = self.driver.prepare([ref])[uid]
         assert self.driver.unprepare([ref]) == {uid: ""}
@@ -151,7 +174,8 @@ class OneGpu:
 
 def check(node: OneGpu, tolerations: list[dict[str, Any]], allow_unhealthy: bool) -> None:
     slice_obj = node.slice()
-    allocatable = scheduler_allocates(slice_obj, DEV, tolerations)
+    assert [d["name"] for d in slice_obj["spec"].get("devices", [])] in ([], [node.name])  # the GPU or its instance
+    allocatable = scheduler_allocates(slice_obj, node.name, tolerations)
     prepared, error = node.prepare(tolerations)
     snap = node.state.snapshot()
     where = f"slice {slice_obj['spec'].get('devices')}, tolerations {tolerations}, error {error!r}"
@@ -161,20 +185,21 @@ def check(node: OneGpu, tolerations: list[dict[str, Any]], allow_unhealthy: bool
         assert prepared == allocatable, where
     if prepared:
         # Its state reaches the pod's status: the health stream names the device, with the reason.
-        [report] = device_health(snap, None, HealthSettings(pool=NODE))
-        assert report.device == DEV
-        d = snap.devices[0]
+        [report] = device_health(snap, None, HealthSettings(pool=NODE, mig_strategy=node.settings.mig_strategy))
+        assert report.device == node.name
+        d = node.status()
         assert (report.health == "HEALTHY") == (d.state in (State.HEALTHY, State.DEGRADED)), report
         if d.state is not State.HEALTHY:
             assert report.message.startswith(CODES[d.state][0]), report
     else:
-        assert "refusing to prepare" in error and DEV in error, error
+        assert "refusing to prepare" in error and node.name in error, error
 
 
 STATES_AND_MAPPINGS = [(s, k) for s in State for k in KubeletHealth
                        if not (s is State.HEALTHY and k is KubeletHealth.UNHEALTHY)]  # config refuses that one
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("allow_unhealthy", [False, True], ids=["strict", "allow-unhealthy"])
 @pytest.mark.parametrize("degraded_taint", [True, False], ids=["degraded-taint", "no-degraded-taint"])
 @pytest.mark.parametrize("effect", ["NoSchedule", "NoExecute"])
@@ -182,14 +207,14 @@ STATES_AND_MAPPINGS = [(s, k) for s in State for k in KubeletHealth
 @pytest.mark.parametrize(("state", "kubelet"), STATES_AND_MAPPINGS, ids=[f"{s}-as-{k}" for s, k in STATES_AND_MAPPINGS])
 def test_allocatable_iff_preparable_for_every_combination(tmp_path: Path, state: State, kubelet: KubeletHealth,
                                                          taints: bool, effect: str, degraded_taint: bool,
-                                                         allow_unhealthy: bool) -> None:
+                                                         allow_unhealthy: bool, device: str) -> None:
     settings = rs.SliceSettings(node_name=NODE, unhealthy_effect=effect, unknown_effect=effect,
                                 degraded_taint=degraded_taint, taints=taints)
-    node = OneGpu(tmp_path, settings, allow_unhealthy)
+    node = OneGpu(tmp_path, settings, allow_unhealthy, device)
     node.set(state, kubelet)
     # The mapping decides for a claim that tolerates nothing: it gets the device exactly when the mapping says
     # pods may use it; a claim gets a device the mapping keeps from pods only by tolerating its taint.
-    assert scheduler_allocates(node.slice(), DEV, []) == (kubelet is KubeletHealth.HEALTHY)
+    assert scheduler_allocates(node.slice(), node.name, []) == (kubelet is KubeletHealth.HEALTHY)
     for tolerations in TOLERATIONS.values():
         check(node, tolerations, allow_unhealthy)
 

@@ -1,4 +1,5 @@
-"""The node state as the kubelet's DRA health report: one line per whole GPU, named as in the ResourceSlice."""
+"""The node state as the kubelet's DRA health report: one line per published device (a whole GPU, or a MIG instance
+under --mig-strategy mixed), named as in the ResourceSlice."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from plugin.dra.health import HEALTH_SERVICE_NAMES, MESSAGE_MAX, DeviceReport, HealthSettings, device_health
-from plugin.dra.slices import device_names
+from plugin.dra.slices import device_names, published_devices
 from plugin.health.node_state import NodeState
 from plugin.health.reasons import Action, Reason, Source, State
 from plugin.validation import FieldError
@@ -83,6 +84,48 @@ def test_only_whole_gpus_with_the_slices_names() -> None:
     # Names handed in win (the slice writer's), and a GPU the slice does not name is not reported.
     names = device_names([nd.gpus[1]])
     assert [r.device for r in device_health(snap, names, settings())] == ["gpu-1"]
+
+
+def test_under_mixed_the_instances_are_reported_by_the_slices_names_with_their_parents_faults() -> None:
+    g0, g1, g2 = gpu(0, migs=2), gpu(1, migs=2), gpu(2)  # GPU 2 is not in MIG mode: it stays whole
+    m0, m1 = g0.mig_devices, g1.mig_devices
+    st = NodeState()
+    # As the monitor publishes them: GPU 1's fault is its instances' too; one instance of GPU 0 has one of its own.
+    st.publish([status(g0), status(g0, mig=m0[0]), status(g0, State.UNKNOWN, "nvml-error", mig=m0[1]),
+                status(g1, State.UNHEALTHY, "xid-79"), *(status(g1, State.UNHEALTHY, "xid-79", mig=m) for m in m1),
+                status(g2)], T0)
+    snap = st.snapshot()
+    mixed = settings(mig_strategy="mixed")
+    assert [(r.device, r.health, r.message.split(":")[0]) for r in device_health(snap, None, mixed)] == [
+        ("gpu-0-mig-1-0", "HEALTHY", ""), ("gpu-0-mig-2-0", "UNKNOWN", "nvml-error"),
+        ("gpu-1-mig-1-0", "UNHEALTHY", "xid-79"), ("gpu-1-mig-2-0", "UNHEALTHY", "xid-79"),
+        ("gpu-2", "HEALTHY", "")]
+    # The names of the slice of that snapshot, and none the slice does not publish.
+    published = [d.name for d in published_devices(snap.devices, "mixed")]
+    assert [r.device for r in device_health(snap, None, mixed)] == published
+    # Under none the same snapshot is three whole GPUs, GPU 1's fault on gpu-1.
+    assert [(r.device, r.health) for r in device_health(snap, None, settings())] == [
+        ("gpu-0", "HEALTHY"), ("gpu-1", "UNHEALTHY"), ("gpu-2", "HEALTHY")]
+
+
+def test_a_destroyed_instance_is_no_longer_reported() -> None:
+    nd = node(n=1, migs=3)
+    mixed = settings(mig_strategy="mixed")
+    assert [r.device for r in device_health(nd.state.snapshot(), None, mixed)] == [
+        "gpu-0-mig-1-0", "gpu-0-mig-2-0", "gpu-0-mig-3-0"]
+    g = nd.gpus[0]
+    gone = g.mig_devices[1]
+    nd.gpus[0] = replace(g, mig_devices=(g.mig_devices[0], g.mig_devices[2]))
+    nd.current = {k: replace(v, gpu=nd.gpus[0]) for k, v in nd.current.items() if k != gone.uuid}
+    nd.publish(T0 + 5)
+    assert [r.device for r in device_health(nd.state.snapshot(), None, mixed)] == ["gpu-0-mig-1-0", "gpu-0-mig-3-0"]
+
+
+def test_a_strategy_dra_mode_does_not_publish_under_is_refused() -> None:
+    for bad in ("single", "MIXED"):
+        with pytest.raises(FieldError) as exc:
+            settings(mig_strategy=bad)
+        assert exc.value.field == "mig_strategy"
 
 
 def test_duplicate_indexes_fall_back_to_the_slices_hashed_names() -> None:

@@ -59,7 +59,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "kubelet": _BELOW_KUBELET | {"sharing"},
     "outlets": _BELOW_KUBELET | _INFRA | {"schema"},
     # DRA mode serves the kubelet (a kubelet-side job) from what the outlets know of slices and claims.
-    "dra": _BELOW_KUBELET | _INFRA | {"schema", "kubelet", "outlets"},
+    "dra": _BELOW_KUBELET | _INFRA | {"sharing", "schema", "kubelet", "outlets"},
     # NVSentinel interop: our transitions out (health events, device API status) on the outlets' worker thread, and
     # other providers' GPU conditions in, handed to the health engine through a Protocol app.py satisfies.
     "nvsentinel": _BELOW_KUBELET | _INFRA | {"schema", "outlets"},

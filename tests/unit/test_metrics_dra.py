@@ -97,7 +97,8 @@ def test_the_slice_writers_requests_failures_by_kind_and_last_error_are_exported
         "gpu_health_dra_slice_writes": "counter", "gpu_health_dra_slice_reads": "counter",
         "gpu_health_dra_slice_conflicts": "counter", "gpu_health_dra_slice_failures": "counter",
         "gpu_health_dra_slice_ok": "gauge", "gpu_health_dra_slice_last_error_timestamp_seconds": "gauge",
-        "gpu_health_dra_slice_taints_published": "gauge"}
+        "gpu_health_dra_slice_taints_published": "gauge",
+        "gpu_health_dra_slice_sharing_published": "gauge"}
     # Every kind at 0 before its first failure: an alert on a rate sees a flat line, not a series appearing.
     assert w.failures() == {"client": 0, "read": 0, "write": 0, "not-served": 0}
     s = scrape(w.registry)

@@ -81,6 +81,7 @@ def test_the_simulated_node_is_one_slice_of_eight_gpus_with_their_attributes_and
     for g, d in zip(gpus, devs, strict=True):
         assert d["attributes"] == {
             f"{D}/uuid": {"string": g.uuid},
+            f"{D}/type": {"string": "gpu"},
             f"{D}/index": {"int": g.index},
             f"{D}/productName": {"string": "NVIDIA H100 80GB HBM3"},
             f"{D}/numaNode": {"int": 0 if g.index < 4 else 1},
@@ -105,7 +106,8 @@ def test_unknown_topology_is_left_out_and_long_strings_are_cut_to_the_api_limit(
     g = Gpu(uuid="GPU-x", index=0, name="N" * 70 + "\u00e9", numa_node=None, memory_mib=0, pci_bus_id="",
             pcie_switch=None)
     d = devices(rs.desired_slice([g], {}, SETTINGS))[0]
-    assert set(d["attributes"]) == {f"{D}/uuid", f"{D}/index", f"{D}/productName", f"{D}/nvlinkIsland"}
+    assert set(d["attributes"]) == {f"{D}/uuid", f"{D}/type", f"{D}/index", f"{D}/productName",
+                                    f"{D}/nvlinkIsland"}
     assert d["attributes"][f"{D}/productName"]["string"] == "N" * 64
     assert "capacity" not in d  # no memory reading: no capacity rather than a zero one
 
@@ -388,7 +390,7 @@ def test_a_later_poll_with_the_same_states_gives_the_same_bytes() -> None:
         devs = [status(g, State.DEGRADED if g.index == 2 else State.HEALTHY,
                        *(("thermal-slowdown",) if g.index == 2 else ()), since=now) for g in gpus]
         state.publish(devs, now)
-        return dumps(rs.desired_slice(gpus, rs.gpu_statuses(state.snapshot().devices), SETTINGS))
+        return dumps(rs.desired_slice(gpus, rs.device_statuses(state.snapshot().devices), SETTINGS))
 
     first = poll(T0)
     assert poll(T0 + 30) == first and poll(T0 + 3600) == first

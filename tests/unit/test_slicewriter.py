@@ -23,6 +23,7 @@ from plugin.kube.errors import ApiFailure
 from plugin.kube.events import rfc3339
 from plugin.kube.names import DEFAULT_PREFIX
 from plugin.kube.views import NodeView
+from plugin.sharing.config import parse_sharing
 from tests.conftest import FakeClock
 from tests.fakes.node_devices import Node
 
@@ -37,6 +38,7 @@ class FakeSliceServer:
     """The API server's side of the calls SliceApi makes; every call is recorded as (verb, outcome)."""
 
     drop_taints: bool = False
+    drop_sharing: bool = False  # as an API server with DRAConsumableCapacity off stores a shared device
     served: bool = True
     node_uid: str = "uid-node-1"
     slices: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -57,6 +59,11 @@ class FakeSliceServer:
         if self.drop_taints:
             for d in obj["spec"].get("devices", []):
                 d.pop("taints", None)
+        if self.drop_sharing:
+            for d in obj["spec"].get("devices", []):
+                d.pop("allowMultipleAllocations", None)
+                for cap in (d.get("capacity") or {}).values():
+                    cap.pop("requestPolicy", None)
         self.slices[name] = obj
         return copy.deepcopy(obj)
 
@@ -289,6 +296,49 @@ def test_taints_dropped_by_the_server_are_one_warning_and_the_devices_they_kept_
     assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING, caplog.records
     assert "left out of the slice" in warnings[0].getMessage()
     assert h.writer.status().taints_published is False and h.writer.settings.taints is False
+
+
+def _shared_two() -> rs.SliceSettings:
+    return rs.SliceSettings(node_name=NODE, sharing=parse_sharing(
+        {"timeSlicing": {"resources": [{"name": "nvidia.com/gpu", "replicas": 4, "devices": [2, 5]}]}}))
+
+
+def shared(h: Harness) -> dict[str, int]:
+    return {d["name"]: int(d["capacity"][f"{rs.DRIVER}/shares"]["value"])
+            for d in h.stored()["spec"].get("devices", []) if d.get("allowMultipleAllocations")}
+
+
+def test_the_gpus_the_sharing_section_names_are_published_for_that_many_claims_and_a_fault_keeps_it() -> None:
+    h = Harness(settings=_shared_two())
+    h.node.publish(T0)
+    h.for_(5)
+    assert shared(h) == {"gpu-2": 4, "gpu-5": 4}
+    h.set(2, State.UNHEALTHY, "xid-79")
+    h.for_(30)
+    # The taint lands on the shared device as on any other: every claim holding it sees the same state.
+    assert shared(h) == {"gpu-2": 4, "gpu-5": 4} and list(h.taints()) == ["gpu-2"]
+    before = len(h.server.writes())
+    h.for_(1200)
+    assert len(h.server.writes()) == before  # the stored copy matches: an unchanged shared node writes nothing
+
+
+def test_sharing_dropped_by_the_server_is_one_warning_and_the_devices_are_published_plain(
+        caplog: pytest.LogCaptureFixture) -> None:
+    h = Harness(server=FakeSliceServer(drop_sharing=True), settings=_shared_two())
+    with caplog.at_level(logging.WARNING, logger="plugin.dra.slicewriter"):
+        h.node.publish(T0)
+        h.for_(5)
+        # The shared write comes back plain; the plain slice follows in the same step, then nothing more.
+        assert [c[0] for c in h.server.writes()] == ["create", "update"]
+        assert shared(h) == {} and all(f"{rs.DRIVER}/shares" not in (d.get("capacity") or {})
+                                       for d in h.stored()["spec"]["devices"])
+        before = len(h.server.writes())
+        h.for_(1200)
+    assert len(h.server.writes()) == before
+    warnings = [r for r in caplog.records if "DRAConsumableCapacity" in r.getMessage()]
+    assert len(warnings) == 1 and "one claim each" in warnings[0].getMessage()
+    assert h.writer.status().sharing_published is False and h.writer.settings.consumable is False
+    assert h.writer.status().taints_published is True  # the other gate is judged on its own
 
 
 def test_an_api_server_without_resource_v1_is_one_error_line_and_retries_at_the_cap(

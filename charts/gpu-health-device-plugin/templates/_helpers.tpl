@@ -121,6 +121,34 @@ manifests/overlays/dra's.
 {{- end -}}
 
 {{/*
+mode: dra's per-profile DeviceClasses, as a YAML list of {profile, class, resource}: one for each of
+dra.migProfiles. A `+` (1g.10gb+me) cannot be in a DeviceClass name (a DNS subdomain) nor in an extended resource
+name, so it becomes `.` there, as NVIDIA's plugin names that resource (nvidia.com/mig-1g.10gb.me); the selector
+keeps the profile as the driver writes it. The resource is in dra.extendedResourceName's domain, as device-plugin
+mode's mixed strategy puts it; none without one. The schema already refuses a profile that cannot make a name;
+these checks hold for a rendering that skipped it (--skip-schema-validation), and two profiles that map to one name.
+*/}}
+{{- define "gpu-health.draMigClasses" -}}
+{{- $domain := "" }}
+{{- with .Values.dra.extendedResourceName }}{{ $domain = index (splitList "/" .) 0 }}{{ end }}
+{{- $seen := dict }}
+{{- range .Values.dra.migProfiles }}
+{{- $name := replace "+" "." (toString .) }}
+{{- $class := printf "mig-%s.gpu-health.io" $name }}
+{{- if or (gt (len $class) 253) (not (regexMatch "^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$" $class)) (gt (len (printf "mig-%s" $name)) 63) }}
+{{- fail (printf "dra.migProfiles: %q makes no valid DeviceClass name (%s) or extended resource name (mig-%s): a profile is DNS labels (lower-case letters and digits, '-' inside) joined by '.' or '+', at most 59 characters" (toString .) $class $name) }}
+{{- end }}
+{{- if hasKey $seen $class }}
+{{- fail (printf "dra.migProfiles: %q and %q both make the DeviceClass %s ('+' becomes '.')" (get $seen $class) (toString .) $class) }}
+{{- end }}
+{{- $_ := set $seen $class (toString .) }}
+- profile: {{ toString . | quote }}
+  class: {{ $class | quote }}
+  resource: {{ if $domain }}{{ printf "%s/mig-%s" $domain $name | quote }}{{ else }}""{{ end }}
+{{- end }}
+{{- end -}}
+
+{{/*
 Values that mean nothing in the chosen mode stop the rendering with one line naming the value: left in, each
 would be silently ignored by the plugin or refused by it at start on every node.
 */}}
@@ -147,11 +175,28 @@ would be silently ignored by the plugin or refused by it at start on every node.
 {{- if not $v.clusterReporting.enabled }}
 {{- fail "clusterReporting.enabled: false takes the plugin's API access away, which mode: dra needs (it publishes a ResourceSlice and reads the claims it prepares)" }}
 {{- end }}
-{{- if ne $v.migStrategy "none" }}
-{{- fail (printf "migStrategy: %s is device-plugin mode's; mode: dra publishes whole GPUs only (none)" $v.migStrategy) }}
+{{- if eq $v.migStrategy "single" }}
+{{- fail "migStrategy: single is device-plugin mode's; in mode: dra use mixed: every MIG instance is then a device of its own, which the classes mig.gpu-health.io and mig-<profile>.gpu-health.io select" }}
 {{- end }}
-{{- if $v.sharing }}
-{{- fail "sharing: time-slicing is device-plugin mode's; mode: dra does not share GPUs (remove the sharing section)" }}
+{{- /* mode: dra shares a GPU in place (docs/dra.md, "Shared GPUs"): what only replicas advertised as devices of
+their own mean is refused here, as the plugin refuses it at start. */}}
+{{- $ts := (($v.sharing | default dict).timeSlicing | default dict) }}
+{{- if and $ts.allocationPolicy (ne $ts.allocationPolicy "distributed") }}
+{{- fail "sharing.timeSlicing.allocationPolicy: in mode: dra the scheduler places claims on shared GPUs; remove it or set distributed" }}
+{{- end }}
+{{- if $ts.renameByDefault }}
+{{- fail "sharing.timeSlicing.renameByDefault: mode: dra keeps a shared GPU's name and class, a claim asks for a share of it (docs/dra.md, \"Shared GPUs\"); remove it" }}
+{{- end }}
+{{- if $ts.failRequestsGreaterThanOne }}
+{{- fail "sharing.timeSlicing.failRequestsGreaterThanOne: in mode: dra a claim takes one share unless it asks for more, never more than replicas; remove it" }}
+{{- end }}
+{{- range $i, $r := ($ts.resources | default list) }}
+{{- if $r.rename }}
+{{- fail (printf "sharing.timeSlicing.resources[%d].rename: mode: dra keeps a shared GPU's name and class, a claim asks for a share of it (docs/dra.md, \"Shared GPUs\"); remove it" $i) }}
+{{- end }}
+{{- if $r.failRequestsGreaterThanOne }}
+{{- fail (printf "sharing.timeSlicing.resources[%d].failRequestsGreaterThanOne: in mode: dra a claim takes one share unless it asks for more, never more than replicas; remove it" $i) }}
+{{- end }}
 {{- end }}
 {{- if $v.cdi.enabled }}
 {{- fail "cdi.enabled: CDI names from Allocate are device-plugin mode's; mode: dra always hands GPUs over through CDI specs (hostPaths.cdiSpecs)" }}
@@ -162,10 +207,11 @@ would be silently ignored by the plugin or refused by it at start on every node.
 {{- if include "gpu-health.surge" . }}
 {{- fail "updateStrategy.rollingUpdate.maxSurge: a surge rollout (--handover) is device-plugin mode's; in mode: dra two plugins on a node would both write its ResourceSlice and prepare claims: keep maxSurge 0" }}
 {{- end }}
-{{- range list "resourceName" "correlateOn" }}
-{{- if hasKey $v.plugin . }}
-{{- fail (printf "plugin.%s is device-plugin mode's; mode: dra has no extended resource and no pod correlation (pod status carries each device's health)" .) }}
+{{- if hasKey $v.plugin "resourceName" }}
+{{- fail "plugin.resourceName is device-plugin mode's; in mode: dra the DeviceClass gpu.gpu-health.io names the extended resource (dra.extendedResourceName)" }}
 {{- end }}
+{{- if hasKey $v.plugin "correlateOn" }}
+{{- fail "plugin.correlateOn is device-plugin mode's; mode: dra has no pod correlation (the scheduler keeps pods off tainted devices, and a claim's pod status carries each device's health)" }}
 {{- end }}
 {{- else }}
 {{- range list "draDegradedHealth" "draUnhealthyTaintEffect" "draDegradedTaint" }}

@@ -300,6 +300,10 @@ class SliceWriterCollector:
         yield GaugeFamily("gpu_health_dra_slice_taints_published",
                           "1 while device taints are published in the ResourceSlice, 0 once the API server was "
                           "seen dropping them (DRADeviceTaints off)", value=1.0 if s.taints_published else 0.0)
+        yield GaugeFamily("gpu_health_dra_slice_sharing_published",
+                          "1 while shared GPUs are published for several claims at once, 0 once the API server was "
+                          "seen dropping allowMultipleAllocations (DRAConsumableCapacity off)",
+                          value=1.0 if s.sharing_published else 0.0)
 
 
 class ClaimCollector:

@@ -240,6 +240,9 @@ class SliceWriterCounters(Protocol):
     @property
     def taints_published(self) -> bool: ...
 
+    @property
+    def sharing_published(self) -> bool: ...
+
 
 class ClaimCounters(Protocol):
     """The DRA driver: the claims prepared now, and every claim's prepare or unprepare by (operation, result),

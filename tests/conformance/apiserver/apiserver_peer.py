@@ -87,6 +87,19 @@ class ApiServerPeer:
     # ------------------------------------------------------------------ lifecycle
 
     @classmethod
+    def start_retrying(cls, binaries: Mapping[str, os.PathLike | str], workdir: Callable[[], Path],
+                       attempts: int = 3) -> ApiServerPeer:
+        """``start`` in a fresh ``workdir()``, again when a port it picked was taken meanwhile: the free ports are
+        picked before the processes bind them, and another process can win."""
+        for attempt in range(attempts):
+            try:
+                return cls.start(binaries, workdir=workdir())
+            except PeerStartError as exc:
+                if attempt == attempts - 1 or "address already in use" not in str(exc):
+                    raise
+        raise AssertionError("unreachable")
+
+    @classmethod
     def start(
         cls,
         binaries: Mapping[str, os.PathLike | str],

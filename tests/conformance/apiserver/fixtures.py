@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.conformance.apiserver import _binaries as binaries
-from tests.conformance.apiserver.apiserver_peer import ApiServerPeer, PeerStartError
+from tests.conformance.apiserver.apiserver_peer import ApiServerPeer
 
 
 def _unavailable(message: str) -> None:
@@ -45,14 +45,7 @@ def apiserver_binaries() -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def apiserver(apiserver_binaries, tmp_path_factory):
     """A running kube-apiserver + etcd on loopback (see apiserver_peer.py), stopped at session end."""
-    for attempt in range(3):
-        try:
-            peer = ApiServerPeer.start(apiserver_binaries, workdir=tmp_path_factory.mktemp("apiserver"))
-            break
-        except PeerStartError as exc:
-            # The free ports are picked before the processes bind them; another process can win.
-            if attempt == 2 or "address already in use" not in str(exc):
-                raise
+    peer = ApiServerPeer.start_retrying(apiserver_binaries, lambda: tmp_path_factory.mktemp("apiserver"))
     try:
         yield peer
     finally:
