@@ -358,10 +358,11 @@ class Driver:
         return {d.name: d for d in published_devices(self._state.snapshot().devices, settings.mig_strategy)}
 
     def _write_spec(self, uid: str, devices: Sequence[PreparedDevice]) -> None:
-        # Two shares of one device in one claim are one device to the container.
-        unique = {d.device: d for d in reversed(devices)}
-        gpus = [cdi.CdiGpu(device=d.device, uuid=d.uuid, minor=d.minor)
-                for d in devices if unique.get(d.device) is d]
+        # Two shares of one device in one claim are one device to the container: the first of each name.
+        first: dict[str, PreparedDevice] = {}
+        for d in devices:
+            first.setdefault(d.device, d)
+        gpus = [cdi.CdiGpu(device=d.device, uuid=d.uuid, minor=d.minor) for d in first.values()]
         spec = cdi.build_spec(uid, gpus, self.dev_dir, self._exists, self.driver_name)
         try:
             cdi.write_spec(self.cdi_dir, uid, spec, self.driver_name)
