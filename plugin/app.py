@@ -190,7 +190,8 @@ def make_dra(cfg: Config, state: NodeState, alloc: AllocationConfig, clock: Call
     except ApiFailure as exc:
         label = cfg.name_of("kubeconfig") if kubeconfig is not None else "--mode dra"
         raise StartupError(f"{label}: {exc.message}") from None
-    return DraMode(settings, state, claims, lambda: KubeClient(kubeconfig), clock)
+    return DraMode(settings, state, claims, lambda: KubeClient(kubeconfig), clock,
+                   pods=lambda: KubeClient(kubeconfig))
 
 
 def make_nvsentinel_sender(cfg: Config, state: NodeState) -> HealthEventSender | None:
@@ -417,6 +418,8 @@ def make_metrics_server(cfg: Config, state: NodeState, monitor: Monitor, backend
                       annotations=reporter.status if reporter is not None else None,
                       correlation=(lambda: correlator.stats) if correlator is not None else None,
                       registration=dra, slice_writer=dra.slice_writer.status if dra is not None else None,
+                      pod_conditions=dra.pod_conditions.status
+                      if dra is not None and dra.pod_conditions is not None else None,
                       claims=dra.driver if dra is not None else None,
                       health_streams=dra.server if dra is not None else None,
                       nvsentinel=nvsentinel.status if nvsentinel is not None else None,

@@ -63,22 +63,44 @@ class PreparedDevice:
 
 
 @dataclass(frozen=True)
+class PodRef:
+    """A pod by name and UID: a pod of that name made again is another pod."""
+
+    namespace: str
+    name: str
+    uid: str
+
+
+@dataclass(frozen=True)
 class PreparedClaim:
     uid: str
     namespace: str
     name: str
     devices: tuple[PreparedDevice, ...]
+    # The pod the scheduler made the claim for, when it is a pod's extended-resource claim (KEP-5004): the kubelet
+    # shows no device health for such a pod, so the pod-condition writer (plugin/dra/podstatus.py) does. Written only
+    # when set, as a device's parent_uuid.
+    pod: PodRef | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"namespace": self.namespace, "name": self.name, "devices": [d.to_dict() for d in self.devices]}
+        d: dict[str, Any] = {"namespace": self.namespace, "name": self.name,
+                             "devices": [x.to_dict() for x in self.devices]}
+        if self.pod is not None:
+            d["pod"] = {"name": self.pod.name, "uid": self.pod.uid}
+        return d
 
     @staticmethod
     def from_dict(uid: str, d: dict[str, Any]) -> PreparedClaim:
         devs = d.get("devices")
         if not isinstance(devs, list) or not all(isinstance(x, dict) for x in devs):
             raise ValueError("devices: expected a list of objects")
-        return PreparedClaim(uid=uid, namespace=_str(d, "namespace"), name=_str(d, "name"),
-                             devices=tuple(PreparedDevice.from_dict(x) for x in devs))
+        pod = d.get("pod")
+        if pod is not None and not isinstance(pod, dict):
+            raise ValueError("pod: expected an object")
+        namespace = _str(d, "namespace")
+        return PreparedClaim(uid=uid, namespace=namespace, name=_str(d, "name"),
+                             devices=tuple(PreparedDevice.from_dict(x) for x in devs),
+                             pod=None if pod is None else PodRef(namespace, _str(pod, "name"), _str(pod, "uid")))
 
 
 def _str(d: dict[str, Any], key: str) -> str:

@@ -36,6 +36,7 @@ from api.dra.v1beta1 import api_pb2 as v1beta1_pb2
 from api.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
 from plugin.dra import cdi
 from plugin.dra.checkpoint import Checkpoint, CheckpointError, CheckpointUnreadable, PreparedClaim, PreparedDevice
+from plugin.dra.podstatus import extended_resource_pod
 from plugin.dra.slices import DRIVER, PublishedDevice, SliceSettings, allocatable, device_plan, published_devices
 from plugin.health.node_state import DeviceStatus, NodeState
 from plugin.kube.errors import ApiFailure
@@ -178,8 +179,12 @@ class Driver:
     def __init__(self, state: NodeState, claims: ClaimApi, node_name: str, cdi_dir: Path, checkpoint_dir: Path,
                  dev_dir: str, allow_unhealthy: bool = False, driver_name: str = DRIVER,
                  exists: Callable[[str], bool] = os.path.exists,
-                 slice_settings: Callable[[], SliceSettings] | None = None) -> None:
+                 slice_settings: Callable[[], SliceSettings] | None = None,
+                 claims_changed: Callable[[], None] = lambda: None) -> None:
         self._state = state
+        # Called (under the lock, so it must not block) once the prepared claims changed: the pod-condition writer
+        # looks at them again.
+        self._claims_changed = claims_changed
         self._api = claims
         self.node_name = node_name
         fixed = SliceSettings(node_name=node_name, driver=driver_name)
@@ -242,6 +247,7 @@ class Driver:
         except CheckpointError as exc:  # a newer version appearing under a running plugin waits the same way
             raise Unavailable(str(exc)) from None
         self._loaded = True
+        self._claims_changed()
         log.info("DRA checkpoint %s read: %d prepared claims", self._checkpoint.path, len(self._prepared))
 
     # Prepare ------------------------------------------------------------------------------------------------------
@@ -273,7 +279,8 @@ class Driver:
         claim = self._fetch(c)
         devices = self._allocated(c, claim)
         self._write_spec(c.uid, devices)
-        record = PreparedClaim(uid=c.uid, namespace=c.namespace, name=c.name, devices=devices)
+        record = PreparedClaim(uid=c.uid, namespace=c.namespace, name=c.name, devices=devices,
+                               pod=extended_resource_pod(claim))
         try:
             self._checkpoint.save({**self._prepared, c.uid: record})
         except OSError as exc:
@@ -283,6 +290,7 @@ class Driver:
             raise _ClaimError(Result.CHECKPOINT_ERROR,
                               f"cannot write the checkpoint {self._checkpoint.path}: {exc}") from None
         self._prepared[c.uid] = record
+        self._claims_changed()
         log.info("prepared ResourceClaim %s/%s (%s): %s", c.namespace, c.name, c.uid,
                  ", ".join(f"{d.device} ({d.uuid})" for d in devices))
         return devices
@@ -410,6 +418,7 @@ class Driver:
             raise _ClaimError(Result.CHECKPOINT_ERROR,
                               f"cannot write the checkpoint {self._checkpoint.path}: {exc}") from None
         self._prepared = rest
+        self._claims_changed()
         log.info("unprepared ResourceClaim %s/%s (%s)", c.namespace, c.name, c.uid)
 
 

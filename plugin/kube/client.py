@@ -132,6 +132,14 @@ class KubeClient:
             body["deleteOptions"] = {"kind": "DeleteOptions", "preconditions": {"uid": uid}}
         self._http.request("POST", f"/api/v1/namespaces/{_q(namespace)}/pods/{_q(name)}/eviction", body, JSON)
 
+    def patch_pod_status_condition(self, namespace: str, name: str, uid: str, condition: Mapping[str, str]) -> None:
+        # Strategic merge on conditions (merge key: type) touches this condition only. The UID in the patch makes
+        # it a write to this pod only: a pod made again under the name has another, which the server refuses to
+        # take (the kubelet's own status patches carry it for the same reason).
+        body = {"metadata": {"uid": uid}, "status": {"conditions": [dict(condition)]}}
+        self._http.request("PATCH", f"/api/v1/namespaces/{_q(namespace)}/pods/{_q(name)}/status", body,
+                           STRATEGIC_PATCH)
+
     def list_pods_on(self, node: str) -> list[dict[str, Any]]:
         doc = self._http.request("GET", "/api/v1/pods", query={"fieldSelector": f"spec.nodeName={node}"})
         return [p for p in doc.get("items") or [] if isinstance(p, dict)]

@@ -1,6 +1,6 @@
 """The node agent's narrow views of the API client, one per user: :class:`KubeApi` for the node reporter,
-:class:`PodApi` for pod correlation, :class:`SliceApi` and :class:`ClaimApi` for the DRA driver. Tests hand them
-fakes; :class:`plugin.kube.client.KubeClient` implements them all."""
+:class:`PodApi` for pod correlation, :class:`SliceApi`, :class:`ClaimApi` and :class:`PodStatusApi` for DRA mode.
+Tests hand them fakes; :class:`plugin.kube.client.KubeClient` implements them all."""
 
 from __future__ import annotations
 
@@ -43,6 +43,14 @@ class ClaimApi(Protocol):
     """What the DRA driver reads when the kubelet asks it to prepare a claim."""
 
     def get_resource_claim(self, namespace: str, name: str) -> dict[str, Any]: ...
+    def close(self) -> None: ...
+
+
+class PodStatusApi(Protocol):
+    """What DRA mode's pod-condition writer calls (plugin/dra/podstatus.py)."""
+
+    def patch_pod_status_condition(self, namespace: str, name: str, uid: str,
+                                   condition: Mapping[str, str]) -> None: ...
     def close(self) -> None: ...
 
 

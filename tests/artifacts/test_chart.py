@@ -41,6 +41,7 @@ from typing import Any
 import pytest
 import yaml
 
+from plugin.dra.podstatus import PodConditionSettings
 from plugin.dra.slices import DRIVER
 from plugin.health.reasons import KubeletHealth, State
 from plugin.validation import FieldError
@@ -581,6 +582,24 @@ def test_dra_mode_takes_mig_strategy_mixed_and_the_plugin_loads_it(helm: Path, t
     # mixed publishes each MIG instance as a device of its own, which the mig classes select.
     cfg, _ = _plugin_config(helm_template(helm, sets=("mode=dra", "migStrategy=mixed")), tmp_path)
     assert (cfg.mode, cfg.mig_strategy) == ("dra", "mixed")
+
+
+@pytest.mark.parametrize("prefix", [None, "example.com"], ids=["default-prefix", "own-prefix"])
+def test_dra_pod_status_grant_and_policy_follow_the_plugins_prefix(helm: Path, prefix: str | None,
+                                                                   tmp_path: Path) -> None:
+    # The pods/status grant ships with the policy confining it to the one condition type the plugin writes, whose
+    # prefix is the plugin's --annotation-prefix: both come from plugin.annotationPrefix.
+    sets = "mode=dra" + (f",plugin.annotationPrefix={prefix}" if prefix else "")
+    objs = helm_template(helm, sets=(sets,))
+    cfg, _ = _plugin_config(objs, tmp_path)
+    assert cfg.annotation_prefix == (prefix or "gpu-health.io")
+    assert {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]} in \
+        find(objs, "ClusterRole", f"{NAME}-dra")["rules"]
+    policy = find(objs, "ValidatingAdmissionPolicy", f"{RELEASE}-own-node-pod-status")["spec"]
+    condition_type = {v["name"]: v["expression"] for v in policy["variables"]}["conditionType"]
+    assert condition_type == f"'{PodConditionSettings(taint_prefix=cfg.annotation_prefix).condition_type}'"
+    binding = find(objs, "ValidatingAdmissionPolicyBinding", f"{RELEASE}-own-node-pod-status")["spec"]
+    assert binding["policyName"] == f"{RELEASE}-own-node-pod-status"
 
 
 # helm lint ------------------------------------------------------------------------------------------------------

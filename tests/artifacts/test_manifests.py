@@ -47,6 +47,8 @@ NAMESPACE = "gpu-health-system"
 NAME = "gpu-health-device-plugin"
 VAP = "gpu-health-device-plugin-own-node-only"
 SLICE_VAP = "gpu-health-device-plugin-own-node-slices"  # confines a ResourceSlice grant (DRA mode's) to the own node
+# Confines a pods/status grant (DRA mode's) to the plugin's own condition on the pods of its own node.
+POD_STATUS_VAP = "gpu-health-device-plugin-own-node-pod-status"
 
 ANNOTATIONS_OFF_ARGS = ["--annotations=false", "--events=false", "--correlate-on=none"]
 
@@ -106,6 +108,8 @@ BASE_OBJECTS = {
     ("ValidatingAdmissionPolicyBinding", VAP),
     ("ValidatingAdmissionPolicy", SLICE_VAP),
     ("ValidatingAdmissionPolicyBinding", SLICE_VAP),
+    ("ValidatingAdmissionPolicy", POD_STATUS_VAP),
+    ("ValidatingAdmissionPolicyBinding", POD_STATUS_VAP),
     ("ConfigMap", "gpu-health-device-plugin-config"),
     ("DaemonSet", NAME),
 }
@@ -365,7 +369,8 @@ def test_annotations_off_has_no_api_access(rendered: dict[str, list[dict[str, An
     base, over = rendered["base"], rendered["annotations-off"]
     gone = {("ClusterRole", NAME), ("ClusterRoleBinding", NAME), ("ValidatingAdmissionPolicy", VAP),
             ("ValidatingAdmissionPolicyBinding", VAP), ("ValidatingAdmissionPolicy", SLICE_VAP),
-            ("ValidatingAdmissionPolicyBinding", SLICE_VAP)}
+            ("ValidatingAdmissionPolicyBinding", SLICE_VAP), ("ValidatingAdmissionPolicy", POD_STATUS_VAP),
+            ("ValidatingAdmissionPolicyBinding", POD_STATUS_VAP)}
     assert kinds(over) == BASE_OBJECTS - gone
     ds = find(over, "DaemonSet")
     assert ds["spec"]["template"]["spec"]["automountServiceAccountToken"] is False

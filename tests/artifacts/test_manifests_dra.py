@@ -12,6 +12,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from plugin.dra.podstatus import PodConditionSettings
 from plugin.dra.slices import DRIVER
 from scripts.localcluster import cluster as lc
 from tests.artifacts.test_manifests import (
@@ -19,6 +20,7 @@ from tests.artifacts.test_manifests import (
     NAME,
     NAMESPACE,
     NODE_CONDITION_ARGS,
+    POD_STATUS_VAP,
     SLICE_VAP,
     VAP,
     _plugin_config,
@@ -96,7 +98,7 @@ _OPERATION = {"create": "CREATE", "update": "UPDATE", "patch": "UPDATE", "delete
 
 
 def test_the_device_class_selects_the_driver_and_the_grants_are_narrow(
-        rendered: dict[str, list[dict[str, Any]]]) -> None:
+        rendered: dict[str, list[dict[str, Any]]], tmp_path: Path) -> None:
     objs = rendered["dra"]
     # Whole GPUs of the driver; every class in detail: tests/artifacts/test_dra_device_classes.py.
     dc = find(objs, "DeviceClass", DRIVER)
@@ -104,7 +106,7 @@ def test_the_device_class_selects_the_driver_and_the_grants_are_narrow(
     rules = find(objs, "ClusterRole", f"{NAME}-dra")["rules"]
     granted = {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
     assert granted == {("resource.k8s.io", "resourceslices", v) for v in ("get", "create", "update", "delete")} | {
-        ("resource.k8s.io", "resourceclaims", "get")}
+        ("resource.k8s.io", "resourceclaims", "get"), ("", "pods/status", "patch")}
     crb = find(objs, "ClusterRoleBinding", f"{NAME}-dra")
     assert crb["subjects"] == [{"kind": "ServiceAccount", "name": NAME, "namespace": NAMESPACE}]
 
@@ -119,13 +121,33 @@ def test_the_device_class_selects_the_driver_and_the_grants_are_narrow(
     assert constraints["matchPolicy"] == "Equivalent"  # a write through v1beta1/v1beta2 is judged as v1
     covered = {(g, r, op) for rule in constraints["resourceRules"] if "v1" in rule["apiVersions"]
                for g in rule["apiGroups"] for r in rule["resources"] for op in rule["operations"]}
-    writes = {(g, r, _OPERATION[v]) for g, r, v in granted if v in _OPERATION}
-    assert writes == {("resource.k8s.io", "resourceslices", op) for op in ("CREATE", "UPDATE", "DELETE")}
-    assert writes <= covered
+    slice_writes = {(g, r, _OPERATION[v]) for g, r, v in granted if v in _OPERATION and r == "resourceslices"}
+    assert slice_writes == {("resource.k8s.io", "resourceslices", op) for op in ("CREATE", "UPDATE", "DELETE")}
+    assert slice_writes <= covered
     # The same account as the Node policy's (any service account named like the plugin's), and our driver.
     node_policy = find(objs, "ValidatingAdmissionPolicy", VAP)["spec"]
     assert policy["matchConditions"] == node_policy["matchConditions"]
     assert {v["name"]: v["expression"] for v in policy["variables"]}["driver"] == f"'{DRIVER}'"
+
+    # Nor "the pods of my node": the pods/status grant is cluster-wide too, and ships with the policy that confines it
+    # to the plugin's own condition on the pods of its own node (tests/conformance/apiserver/test_pod_status_policy.py
+    # on the real API server).
+    policy = find(objs, "ValidatingAdmissionPolicy", POD_STATUS_VAP)["spec"]
+    binding = find(objs, "ValidatingAdmissionPolicyBinding", POD_STATUS_VAP)["spec"]
+    assert binding == {"policyName": POD_STATUS_VAP, "validationActions": ["Deny"]}
+    assert policy["failurePolicy"] == "Fail"
+    covered = {(g, r, op) for rule in policy["matchConstraints"]["resourceRules"] if "v1" in rule["apiVersions"]
+               for g in rule["apiGroups"] for r in rule["resources"] for op in rule["operations"]}
+    pod_writes = {(g, r, _OPERATION[v]) for g, r, v in granted if v in _OPERATION and g == ""}
+    assert pod_writes == {("", "pods/status", "UPDATE")}  # a PATCH is judged as the UPDATE it results in
+    assert pod_writes <= covered
+    assert policy["matchConditions"] == node_policy["matchConditions"]
+    # The one condition type it lets through is the one the plugin writes with the manifests' (default) prefix.
+    cfg, _ = _plugin_config(objs, tmp_path)
+    expected_type = PodConditionSettings(taint_prefix=cfg.annotation_prefix).condition_type
+    assert {v["name"]: v["expression"] for v in policy["variables"]}["conditionType"] == f"'{expected_type}'"
+    # Nothing else the overlay grants writes anything but slices and pod status.
+    assert {r for _, r, v in granted if v in _OPERATION} == {"resourceslices", "pods/status"}
 
 
 def _names(v: list[dict[str, Any]], key: str = "name") -> list[str]:

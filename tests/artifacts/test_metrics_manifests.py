@@ -43,6 +43,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
     dra = idle_dra_mode(state, tmp)  # DRA mode's series too: the App runs one mode, the manifests serve both
     registry = build_registry(Sources(state, monitor, backend, sup, annotations=lambda: ReporterStatus(node="n"),
                                       correlation=CorrelationStats, slice_writer=dra.slice_writer.status,
+                                      pod_conditions=dra.pod_conditions.status if dra.pod_conditions else None,
                                       claims=dra.driver, health_streams=dra.server))
     # Labelled counters have no series until something happened: make a transition and an XID happen.
     monitor.poll_once()

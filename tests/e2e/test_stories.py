@@ -420,7 +420,9 @@ def test_13_helm_uninstall_removes_the_release_and_leaves_what_the_docs_say(loca
                        ("validatingadmissionpolicy", f"{RELEASE}-own-node-only"),
                        ("validatingadmissionpolicybinding", f"{RELEASE}-own-node-only"),
                        ("validatingadmissionpolicy", f"{RELEASE}-own-node-slices"),
-                       ("validatingadmissionpolicybinding", f"{RELEASE}-own-node-slices")):
+                       ("validatingadmissionpolicybinding", f"{RELEASE}-own-node-slices"),
+                       ("validatingadmissionpolicy", f"{RELEASE}-own-node-pod-status"),
+                       ("validatingadmissionpolicybinding", f"{RELEASE}-own-node-pod-status")):
         assert local.kubectl("get", kind, name, "--ignore-not-found", "-o", "name") == "", (kind, name)
     assert local.kubectl("get", "daemonsets,configmaps,serviceaccounts", "-n", PLUGIN_NS, "-o", "name",
                          "-l", "app.kubernetes.io/managed-by=Helm") == ""

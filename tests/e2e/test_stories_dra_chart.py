@@ -37,7 +37,9 @@ CLUSTER_OBJECTS = (("deviceclass", DRIVER), ("clusterrole", RELEASE), ("clusterr
                    ("validatingadmissionpolicy", f"{RELEASE}-own-node-only"),
                    ("validatingadmissionpolicybinding", f"{RELEASE}-own-node-only"),
                    ("validatingadmissionpolicy", f"{RELEASE}-own-node-slices"),
-                   ("validatingadmissionpolicybinding", f"{RELEASE}-own-node-slices"))
+                   ("validatingadmissionpolicybinding", f"{RELEASE}-own-node-slices"),
+                   ("validatingadmissionpolicy", f"{RELEASE}-own-node-pod-status"),
+                   ("validatingadmissionpolicybinding", f"{RELEASE}-own-node-pod-status"))
 
 
 def _releases(local: Local) -> list[dict[str, object]]:

@@ -66,6 +66,13 @@ def _health(local: Local, pod: str) -> dict[str, tuple[str, str]]:
     return out
 
 
+def _condition(local: Local, pod: str) -> dict[str, Any]:
+    """The pod's gpu-health.io/DevicesHealthy condition ({} while it has none): what a pod served with no claim
+    shows of its devices' health, the kubelet showing nothing there."""
+    conds = local.get("pod", pod, NS)["status"].get("conditions") or []
+    return next((c for c in conds if c["type"] == "gpu-health.io/DevicesHealthy"), {})
+
+
 def _claim(name: str, cls: str, selector: str | None = None) -> dict[str, Any]:
     exactly: dict[str, Any] = {"deviceClassName": cls, "allocationMode": "ExactCount", "count": 1}
     if selector:
@@ -145,14 +152,23 @@ def test_53_a_pod_asking_nvidia_com_gpu_with_no_claim_runs_on_the_dra_node(local
     # The claim the scheduler made is prepared by our driver: its CDI spec is on the node.
     uid = local.get("resourceclaim", ext["resourceClaimName"], NS)["metadata"]["uid"]
     assert (local.c.layout.cdi_dir / f"{DRIVER}-{uid}.json").exists()
-    # Its GPUs' health reaches the scheduler: a fault taints the device, and no new pod gets it.
+    # The kubelet shows no device health for a container that names no claim; our condition does.
+    assert not _health(local, "plain-two")
+    ok = until("the pod's DevicesHealthy condition", lambda: _condition(local, "plain-two"), 60)
+    assert (ok["status"], ok["reason"]) == ("True", "Healthy") and all(n in ok["message"] for n in names), ok
+    # Its GPUs' health reaches the scheduler (a fault taints the device, and no new pod gets it) and the pod.
     bad = int(_attr(devices[names[0]], "index"))
     local.signals(bad, xid_events=[48])
     taint = until("the taint on the pod's faulted GPU",
                   lambda: (_devices(local)[names[0]].get("taints") or [None])[0], 60)
     assert taint["key"] == "gpu-health.io/unhealthy" and taint["value"] == "xid-48", taint
+    cond = until("the condition False", lambda: (c := _condition(local, "plain-two")).get("status") == "False" and c,
+                 60)
+    assert cond["reason"] == "Unhealthy" and cond["message"].startswith(f"{names[0]} Unhealthy: xid-48"), cond
+    assert cond["lastTransitionTime"] >= ok["lastTransitionTime"]
     local.reset_gpu(bad)
     until("the taint gone after the reset", lambda: not _devices(local)[names[0]].get("taints"), 60)
+    until("the condition True again", lambda: _condition(local, "plain-two").get("status") == "True", 60)
     _delete(local, "pod/plain-two")
 
 
@@ -180,6 +196,9 @@ def test_54_mig_instances_are_devices_and_a_fault_on_their_gpu_reaches_the_pods_
     local.apply(pod)
     [seen3] = local.visible_devices("mig-plain")
     assert seen3 in {m["uuid"] for m in _migs(MIG_3G)}
+    # A MIG instance served with no claim: its health in the pod's condition, as a whole GPU's.
+    cond = until("mig-plain's DevicesHealthy condition", lambda: _condition(local, "mig-plain"), 60)
+    assert cond["status"] == "True" and cond["message"].startswith(f"gpu-{MIG_3G}-mig-"), cond
     until("the instance Healthy in the pod's status",
           lambda: _health(local, "mig-claim").get(r["device"], ("", ""))[0] == "Healthy", 90)
     # A fault on the parent GPU: every instance tainted, and the pod's status names the reason.

@@ -80,12 +80,17 @@ class Plugin:
         self.server: grpc.Server | None = None
         self.driver: dra.Driver | None = None
         self.channel: grpc.Channel | None = None
+        self.claims_changes = 0  # calls of the driver's claims_changed: the pod-condition writer's wake-up
+
+    def _claims_changed(self) -> None:
+        self.claims_changes += 1
 
     def start(self, allow_unhealthy: bool = False, mig_strategy: str = "none") -> None:
         self.stop()
         settings = SliceSettings(node_name=NODE, mig_strategy=mig_strategy)
         self.driver = dra.Driver(self.state, self.api, NODE, self.cdi_dir, self.state_dir, self.dev_dir,
-                                 allow_unhealthy=allow_unhealthy, slice_settings=lambda: settings)
+                                 allow_unhealthy=allow_unhealthy, slice_settings=lambda: settings,
+                                 claims_changed=self._claims_changed)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
         dra.add_dra_services(self.server, self.driver)
         self.server.add_insecure_port(f"unix://{self.socket}")
@@ -181,6 +186,33 @@ def test_prepare_two_gpus_writes_spec_and_checkpoint_and_repeats_without_the_api
     assert devices(plugin.prepare(("team-a", uid, "train")), uid) == want
     assert json.loads(plugin.spec_path(uid).read_text()) == spec
     assert plugin.api.calls == [("team-a", "train")]
+
+
+def test_a_pods_extended_resource_claim_keeps_its_pod_and_each_change_wakes_the_pod_condition_writer(
+        plugin: Plugin) -> None:
+    # As the scheduler makes it for a pod asking nvidia.com/gpu with no claim (KEP-5004): owned by the pod, annotated.
+    pod_uid = "5b0e8f3a-2222-4c1d-9e0f-000000000009"
+    ext, plain = uid("train-extended-resources-abcde"), uid("plain")
+    plugin.api.add("team-a", "train-extended-resources-abcde", ext, [ours("gpu-2")])
+    plugin.api.objects[("team-a", "train-extended-resources-abcde")]["metadata"].update(
+        annotations={"resource.kubernetes.io/extended-resource-claim": "true"},
+        ownerReferences=[{"apiVersion": "v1", "kind": "Pod", "name": "train", "uid": pod_uid, "controller": True,
+                          "blockOwnerDeletion": True}])
+    plugin.api.add("team-a", "plain", plain, [ours("gpu-4")])
+    resp = plugin.prepare(("team-a", ext, "train-extended-resources-abcde"), ("team-a", plain, "plain"))
+    assert resp.claims[ext].error == "" and resp.claims[plain].error == ""
+    assert plugin.checkpoint()[ext]["pod"] == {"name": "train", "uid": pod_uid}
+    assert "pod" not in plugin.checkpoint()[plain]
+    assert plugin.claims_changes == 2
+    plugin.prepare(("team-a", ext, "train-extended-resources-abcde"))  # a repeat changes nothing
+    assert plugin.claims_changes == 2
+    # A restarted plugin reads the pod back from the checkpoint.
+    plugin.start()
+    assert plugin.driver is not None
+    prepared = plugin.driver.prepared()[ext]
+    assert prepared.pod is not None and (prepared.pod.name, prepared.pod.uid) == ("train", pod_uid)
+    plugin.unprepare(("team-a", ext, "train-extended-resources-abcde"))
+    assert plugin.claims_changes == 3 and ext not in plugin.checkpoint()
 
 
 def test_plugin_restart_unprepares_what_the_last_run_prepared(plugin: Plugin) -> None:

@@ -214,7 +214,9 @@ def every_source(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     registry = build_registry(Sources(state, monitor, backend, sup,
                                       annotations=lambda: ReporterStatus(node="n", writes=3),
                                       correlation=lambda: CorrelationStats(evictions_blocked=2),
-                                      slice_writer=dra.slice_writer.status, claims=dra.driver,
+                                      slice_writer=dra.slice_writer.status,
+                                      pod_conditions=dra.pod_conditions.status if dra.pod_conditions else None,
+                                      claims=dra.driver,
                                       health_streams=dra.server), process=False)
     monitor.poll_once()
     monitor.handle_events([GpuEvent("GPU-fake-0", "xid", 79, 0.0), GpuEvent("GPU-fake-1", "xid", 13, 0.0)])

@@ -35,6 +35,8 @@ from tests.conftest import FakeClock, write_kubeconfig
 from tests.fakes import nvml_standin
 from tests.fakes.node_devices import Node
 from tests.integration.test_dra_driver import NODE, T0, FakeClaims, Plugin, ours, uid
+from tests.unit.test_dra_podstatus import FakePods, prepared
+from tests.unit.test_dra_podstatus import Harness as PodHarness
 from tests.unit.test_metrics import named, scrape, value
 from tests.unit.test_slicewriter import FakeSliceServer
 
@@ -45,7 +47,7 @@ def idle_dra_mode(state: NodeState, root: Path) -> DraMode:
     """DRA mode built as the App builds it and not started: a source of every DRA series, its API never called."""
     settings = DraSettings(node_name=NODE, plugin_dir=root / "plugin", registry_dir=root / "registry",
                            cdi_dir=root / "cdi", state_dir=root / "state", dev_dir=str(root / "dev"))
-    return DraMode(settings, state, FakeClaims(), FakeSliceServer, time.monotonic)
+    return DraMode(settings, state, FakeClaims(), FakeSliceServer, time.monotonic, pods=FakePods)
 
 
 def types(registry: Registry) -> dict[str, str]:
@@ -171,6 +173,36 @@ def test_an_api_server_dropping_taints_shows_as_taints_not_published() -> None:
     w.node.set(2, State.UNHEALTHY, "xid-79", now=T0 + 1)
     w.run(30)
     assert value(scrape(w.registry), "gpu_health_dra_slice_taints_published") == 0
+
+
+# The pod-condition writer ---------------------------------------------------------------------------------------
+
+def test_the_pod_condition_writers_writes_pods_skips_and_failures_are_exported(tmp_path: Path) -> None:
+    h = PodHarness(tmp_path)
+    registry = build_registry(Sources(h.state, pod_conditions=h.writer.status), process=False)
+
+    def failures() -> dict[str, float]:
+        return {dict(k)["kind"]: v for k, v in
+                named(scrape(registry), "gpu_health_dra_pod_condition_failures_total").items()}
+
+    assert failures() == {"client": 0, "write": 0, "state-file": 0}
+    h.node.publish(T0)
+    h.server.add("train")
+    h.prepare(prepared("train-ext", 1, pod="train"))
+    h.prepare(prepared("gone-ext", 2, pod="gone"))  # no such pod: left alone
+    h.for_(5)
+    s = scrape(registry)
+    assert (value(s, "gpu_health_dra_pod_condition_writes_total"), value(s, "gpu_health_dra_pod_condition_pods"),
+            value(s, "gpu_health_dra_pod_condition_skipped_total"),
+            value(s, "gpu_health_dra_pod_condition_ok")) == (1, 2, 1, 1)
+    h.server.fail_next = [ApiFailure(503, "unavailable")]
+    h.set(1, State.UNHEALTHY, "xid-79")
+    h.for_(12)
+    assert failures() == {"client": 0, "write": 1, "state-file": 0}
+    h.for_(60)
+    s = scrape(registry)
+    assert (value(s, "gpu_health_dra_pod_condition_writes_total"), value(s, "gpu_health_dra_pod_condition_ok")) \
+        == (2, 1)
 
 
 # The driver ---------------------------------------------------------------------------------------------------------

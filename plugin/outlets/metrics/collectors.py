@@ -24,10 +24,12 @@ from plugin.outlets.metrics.sources import (
     NodeHistory,
     NvmlCallCounter,
     NvsentinelCounters,
+    PodConditionCounters,
     RegistrationHolder,
     RegistrationSource,
     ReporterCounters,
     SliceWriterCounters,
+    WriterCounters,
 )
 from plugin.serve.exposition import Collector, CounterFamily, Family, GaugeFamily, Registry
 from plugin.serve.process import PlatformCollector, ProcessCollector
@@ -265,6 +267,17 @@ class CorrelationCollector:
         yield ev
 
 
+def _failures_by_kind(name: str, doc: str, s: WriterCounters) -> CounterFamily:
+    """A writer's failures labelled by kind, every kind it can count present at 0 before its first failure."""
+    failures = CounterFamily(name, doc, labels=["kind"])
+    by_kind = {label_code(k): 0 for k in s.failure_kinds}
+    for kind, n in s.failures_by_kind.items():
+        by_kind[label_code(kind)] = by_kind.get(label_code(kind), 0) + n
+    for kind, n in by_kind.items():
+        failures.add_metric([kind], n)
+    return failures
+
+
 class SliceWriterCollector:
     """DRA mode's ResourceSlice writer, as the reporter's requests are exported: successes, failures by kind (each
     kind at 0 before its first), conflicts, and whether the last attempt failed and when one last did."""
@@ -282,16 +295,9 @@ class SliceWriterCollector:
             ("gpu_health_dra_slice_conflicts",
              "ResourceSlice writes refused because the slice had changed (409), answered by a re-read", s.conflicts),
         )
-        failures = CounterFamily("gpu_health_dra_slice_failures",
-                                 "failed ResourceSlice requests by kind (client: building the API client, read, "
-                                 "write, not-served: the API server does not serve resource.k8s.io/v1)",
-                                 labels=["kind"])
-        by_kind = {label_code(k): 0 for k in s.failure_kinds}
-        for kind, n in s.failures_by_kind.items():
-            by_kind[label_code(kind)] = by_kind.get(label_code(kind), 0) + n
-        for kind, n in by_kind.items():
-            failures.add_metric([kind], n)
-        yield failures
+        yield _failures_by_kind("gpu_health_dra_slice_failures",
+                                "failed ResourceSlice requests by kind (client: building the API client, read, "
+                                "write, not-served: the API server does not serve resource.k8s.io/v1)", s)
         yield GaugeFamily("gpu_health_dra_slice_ok", "0 while the ResourceSlice writer's last attempt failed",
                           value=1.0 if s.ok else 0.0)
         yield GaugeFamily("gpu_health_dra_slice_last_error_timestamp_seconds",
@@ -304,6 +310,31 @@ class SliceWriterCollector:
                           "1 while shared GPUs are published for several claims at once, 0 once the API server was "
                           "seen dropping allowMultipleAllocations (DRAConsumableCapacity off)",
                           value=1.0 if s.sharing_published else 0.0)
+
+
+class PodConditionCollector:
+    """DRA mode's pod-condition writer (health in the status of pods served with no claim), exported as the slice
+    writer is."""
+
+    def __init__(self, status: Callable[[], PodConditionCounters]) -> None:
+        self._status = status
+
+    def collect(self) -> Iterable[Family]:
+        s = self._status()
+        yield from _counters(
+            ("gpu_health_dra_pod_condition_writes",
+             "pod status patches that set the devices' health condition of a pod served with no claim", s.writes),
+            ("gpu_health_dra_pod_condition_skipped",
+             "pods left alone because they were gone (404) or made again under their name (422)", s.skipped),
+        )
+        yield _failures_by_kind("gpu_health_dra_pod_condition_failures",
+                                "failed pod-condition work by kind (client: building the API client, write: a pod "
+                                "status patch, state-file: saving what was written)", s)
+        yield GaugeFamily("gpu_health_dra_pod_condition_pods",
+                          "pods whose extended-resource claim is prepared on the node: each gets the condition",
+                          value=float(s.pods))
+        yield GaugeFamily("gpu_health_dra_pod_condition_ok", "0 while the pod-condition writer's last attempt failed",
+                          value=1.0 if s.ok else 0.0)
 
 
 class ClaimCollector:
@@ -439,6 +470,7 @@ class Sources:
     # DRA mode's parts, all None in device-plugin mode, whose series then stay exactly what they were.
     registration: RegistrationHolder | None = None  # DRA mode's registration record (the supervisor has its own)
     slice_writer: Callable[[], SliceWriterCounters] | None = None  # the ResourceSlice writer's status
+    pod_conditions: Callable[[], PodConditionCounters] | None = None  # the pod-condition writer's status
     claims: ClaimCounters | None = None  # the DRA driver
     health_streams: HealthStreamCount | None = None  # the DRA server
     nvsentinel: Callable[[], NvsentinelCounters] | None = None  # the NVSentinel sender's status
@@ -458,6 +490,8 @@ def collectors(sources: Sources) -> list[Collector]:
         out.append(RegistrationCollector(sources.registration))
     if sources.slice_writer is not None:
         out.append(SliceWriterCollector(sources.slice_writer))
+    if sources.pod_conditions is not None:
+        out.append(PodConditionCollector(sources.pod_conditions))
     if sources.claims is not None:
         out.append(ClaimCollector(sources.claims))
     if sources.health_streams is not None:

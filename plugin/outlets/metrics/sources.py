@@ -212,9 +212,9 @@ class CorrelationCounters(Protocol):
 
 # DRA mode ---------------------------------------------------------------------------------------------------------
 
-class SliceWriterCounters(Protocol):
-    """The ResourceSlice writer's status (DRA mode): its requests, whether its last attempt failed and when one
-    last did, and every kind of failure it can count."""
+class WriterCounters(Protocol):
+    """What every paced writer's status shows (plugin/kube/writer.py): its writes, whether its last attempt failed
+    and when one last did, and its failures by kind, every kind it can count named."""
 
     @property
     def ok(self) -> bool: ...
@@ -226,22 +226,36 @@ class SliceWriterCounters(Protocol):
     def writes(self) -> int: ...
 
     @property
+    def failures_by_kind(self) -> Mapping[str, int]: ...
+
+    @property
+    def failure_kinds(self) -> Sequence[str]: ...
+
+
+class SliceWriterCounters(WriterCounters, Protocol):
+    """The ResourceSlice writer's status (DRA mode): also its reads, conflicts, and what the API server dropped."""
+
+    @property
     def reads(self) -> int: ...
 
     @property
     def conflicts(self) -> int: ...
 
     @property
-    def failures_by_kind(self) -> Mapping[str, int]: ...
-
-    @property
-    def failure_kinds(self) -> Sequence[str]: ...
-
-    @property
     def taints_published(self) -> bool: ...
 
     @property
     def sharing_published(self) -> bool: ...
+
+
+class PodConditionCounters(WriterCounters, Protocol):
+    """The pod-condition writer's status (DRA mode): also the pods it looks after and those it left alone."""
+
+    @property
+    def pods(self) -> int: ...
+
+    @property
+    def skipped(self) -> int: ...
 
 
 class ClaimCounters(Protocol):

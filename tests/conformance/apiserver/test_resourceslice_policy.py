@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from plugin.devices.simulated import builtin_node, parse_node
 from plugin.dra import slices as rs
@@ -31,6 +30,7 @@ from plugin.health.reasons import State
 from plugin.kube.client import KubeClient
 from plugin.kube.names import DEFAULT_PREFIX
 from tests.conformance.apiserver.apiserver_peer import ApiServerPeer, PeerStartError, wait_until
+from tests.conformance.apiserver.shipped_rbac import dra_grants
 from tests.conftest import FakeClock
 from tests.fakes.node_devices import status
 
@@ -113,21 +113,11 @@ def deploy(apiserver: Any) -> dict[str, Any]:
     long_node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE_LONG}}
     assert apiserver.request("POST", "/api/v1/nodes", long_node).ok
 
-    base_rules = yaml.safe_load((MANIFESTS / "base" / "clusterrole.yaml").read_text())["rules"]
-    dra_role = next(d for d in yaml.safe_load_all((MANIFESTS / "components" / "dra" / "rbac.yaml").read_text())
-                    if d["kind"] == "ClusterRole")
     objs: list[dict[str, Any]] = [
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}},
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": SERVICE_ACCOUNT, "namespace": NAMESPACE}},
     ]
-    for role, rules in (("rsp-test-plugin", base_rules), ("rsp-test-plugin-dra", dra_role["rules"])):
-        objs += [
-            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": role},
-             "rules": rules},
-            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": {"name": role},
-             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role},
-             "subjects": [{"kind": "ServiceAccount", "name": SERVICE_ACCOUNT, "namespace": NAMESPACE}]},
-        ]
+    objs += dra_grants("rsp-test", SERVICE_ACCOUNT, NAMESPACE)
     apiserver.apply(objs)
     # The policy exactly as shipped (it matches the service-account name in any namespace).
     apiserver.kubectl("apply", "-f", str(POLICY_FILE))
