@@ -147,6 +147,41 @@ def test_a_gpu_on_the_bus_but_not_in_nvml_is_the_nodes_reason_after_two_polls(tm
     assert n.codes() == [] and n.monitor.gpus_missing == 0
 
 
+def test_the_gpus_missing_gauge_scrapes_the_number_missing_and_zero_once_they_are_back(tmp_path: Path) -> None:
+    """``gpu_health_gpus_missing`` through the registry /metrics serves: the GPUs the last poll found missing."""
+    from plugin.outlets.metrics import Sources, build_registry
+    from tests.unit.test_metrics import scrape, value
+
+    n = Node(tmp_path, gpus_in_nvml=1, on_bus=3)
+    registry = build_registry(Sources(n.state, n.monitor), process=False)
+
+    def gauge() -> float | None:
+        return value(scrape(registry), "gpu_health_gpus_missing")
+
+    assert gauge() == 0  # not looked yet
+    n.poll()
+    n.poll()
+    assert n.codes() == ["gpu-missing"] and gauge() == 2
+    n.write(2)  # one of the two comes up
+    n.poll()
+    assert n.state.snapshot().node_reasons[0].message == "1 GPU on the PCI bus not seen by NVML: 0000:38:00.0"
+    assert gauge() == 1
+    n.write(3)  # and the other: nothing is missing from the first poll that sees them all, the reason clears later
+    n.poll()
+    assert n.codes() == ["gpu-missing"] and gauge() == 0
+    n.poll()
+    n.poll()
+    assert n.codes() == [] and gauge() == 0
+    # Fewer than the node's expected count, with no bus to read: the shortfall is the number missing.
+    n.monitor.inventory = None
+    n.monitor.set_expected_gpus(5)
+    n.poll()
+    assert gauge() == 2
+    n.monitor.set_expected_gpus(3)
+    n.poll()
+    assert gauge() == 0
+
+
 def test_fewer_gpus_than_expected_is_the_nodes_reason_with_no_bus_to_read(tmp_path: Path) -> None:
     n = Node(tmp_path, gpus_in_nvml=2, on_bus=2, expected=8)
     n.monitor.inventory = None
