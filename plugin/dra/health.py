@@ -83,9 +83,10 @@ class DeviceReport(NamedTuple):
     message: str
 
 
-def _short(message: str) -> str:
+def shorten(message: str, limit: int = MESSAGE_MAX) -> str:
+    """``message`` on one line, cut to ``limit`` characters (the last three an ellipsis when cut)."""
     message = " ".join(message.split())
-    return message if len(message) <= MESSAGE_MAX else message[:MESSAGE_MAX - 3] + "..."
+    return message if len(message) <= limit else message[:limit - 3] + "..."
 
 
 def device_health(snapshot: Snapshot, names: Mapping[str, str] | None,
@@ -103,7 +104,7 @@ def device_health(snapshot: Snapshot, names: Mapping[str, str] | None,
         if name is None or d is None:
             continue
         top = d.reasons
-        reason = _short(f"{top[0].code}: {top[0].message}") if top else ""
+        reason = shorten(f"{top[0].code}: {top[0].message}") if top else ""
         if d.state is State.HEALTHY:
             health, message = HEALTHY, ""
         elif d.state is State.DEGRADED:

@@ -36,17 +36,18 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, ClassVar
 
 from plugin.atomicfile import write_atomic
 from plugin.backoff import Backoff
 from plugin.dra.checkpoint import PodRef, PreparedClaim
+from plugin.dra.health import shorten
 from plugin.dra.slices import check_mig_strategy, published_devices
 from plugin.health.node_state import DeviceStatus, NodeState, Snapshot
 from plugin.health.reasons import State
 from plugin.kube.errors import ApiFailure
+from plugin.kube.events import rfc3339
 from plugin.kube.protocols import PodStatusApi
 from plugin.kube.ratelimit import WriteScheduler
 from plugin.kube.writer import PacedWriter, WriterStatus
@@ -117,11 +118,6 @@ class Verdict:
     message: str
 
 
-def _short(text: str) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= MESSAGE_MAX else text[:MESSAGE_MAX - 3] + "..."
-
-
 def _counted_state(d: DeviceStatus | None, settings: PodConditionSettings) -> State:
     if d is None:
         return State.UNKNOWN  # gone from the node, or no verdict yet
@@ -149,7 +145,7 @@ def verdict(devices: Iterable[tuple[str, DeviceStatus | None]], settings: PodCon
             notes.append(f"{name} {d.state.value}{why}")
     message = f"{', '.join(names)} Healthy" if not notes else "; ".join(notes)
     status = _STATUS.get(status_of, "True")  # Degraded counted as usable: True
-    return Verdict(status, worst.value, _short(message))
+    return Verdict(status, worst.value, shorten(message, MESSAGE_MAX))
 
 
 def desired_verdicts(claims: Iterable[PreparedClaim], snapshot: Snapshot,
@@ -178,10 +174,6 @@ class Written:
 def condition_body(settings: PodConditionSettings, w: Written) -> dict[str, str]:
     return {"type": settings.condition_type, "status": w.verdict.status, "reason": w.verdict.reason,
             "message": w.verdict.message, "lastTransitionTime": w.transition}
-
-
-def _rfc3339(wall: float) -> str:
-    return datetime.fromtimestamp(int(wall), UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class WrittenStore:
@@ -311,7 +303,7 @@ class PodConditionWriter(PacedWriter[PodConditionStatus, PodStatusApi], OutletTh
             for pod, v in sorted(pending.items(), key=lambda kv: (kv[0].namespace, kv[0].name)):
                 before = self._written.get(pod)
                 transition = before.transition if before is not None and before.verdict.status == v.status \
-                    else _rfc3339(self._wall())
+                    else rfc3339(self._wall())
                 w = Written(v, transition)
                 try:
                     self._api.patch_pod_status_condition(pod.namespace, pod.name, pod.uid,
